@@ -1,0 +1,26 @@
+# Two commands on a fresh machine: `make demo` (the main job) and `make test` (the suite).
+# Each creates .venv on first use: CPU torch 2.13.0 pinned (a bare `torch` pulls a
+# multi-GB CUDA build), then this package with its test extra.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: demo test test-fast clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_PIN)"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python examples/demo.py
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) autohybrid_dump .pytest_cache

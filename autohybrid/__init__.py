@@ -1,0 +1,23 @@
+"""autohybrid: automatic hybrid-parallel training for PyTorch models.
+
+Public API only; see DESIGN.md. `ah.compile(model, cluster, ...)` captures the model and
+its loss as one graph, plans how to split it, rewrites it per rank and runs it across
+processes; `ah.plan(...)` plans without processes (models on the meta device included).
+"""
+from __future__ import annotations
+
+from . import models
+from .api import compile, plan
+from .cluster import Cluster
+from .errors import (AutohybridError, CaptureError, ClusterError, NoPlanFitsError,
+                     NotExecutableError, PlanError, RankFailure, RuntimeFailure)
+from .plan import Constraints, Plan
+from .runtime.launch import launch
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AutohybridError", "CaptureError", "Cluster", "ClusterError", "Constraints",
+    "NoPlanFitsError", "NotExecutableError", "Plan", "PlanError", "RankFailure",
+    "RuntimeFailure", "compile", "launch", "models", "plan",
+]

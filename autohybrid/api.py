@@ -1,0 +1,153 @@
+"""Orchestration: capture → search → passes → runtime, behind `ah.plan` and `ah.compile`.
+
+Why this order: the Plan needs the captured graph's costs and hash; the passes need the
+Plan; the runtime needs the rewritten graphs and the Plan's mesh. Each step is a call to
+the module that owns it; this file only wires them and checks user input.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from .capture import CapturedGraph, as_tuple, capture
+from .cluster import Cluster
+from .cost.compute import GraphCost, graph_cost
+from .errors import AutohybridError, NotExecutableError, PlanError
+from .passes.sync_batch_norm import training_batch_norms
+from .plan import Constraints, Plan
+from .runtime.features import unsupported
+from .search.planner import PlanRequest, search
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+def dtype_name(dtype: torch.dtype | str | None, model: nn.Module) -> str:
+    if dtype is None:
+        first = next(iter(model.parameters()), None)
+        dtype = first.dtype if first is not None else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    names = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "fp64": "float64"}
+    name = names.get(str(dtype), str(dtype))
+    if name not in ("float32", "float16", "bfloat16", "float64"):
+        raise PlanError(f"dtype {dtype!r} is not supported; use torch.float32, torch.bfloat16, "
+                        "torch.float16 or torch.float64")
+    return name
+
+
+def optimizer_kind(optimizer: torch.optim.Optimizer | str | None) -> str:
+    """How many state tensors per parameter the optimizer keeps: "adam" (2), "sgd" (1), "none"."""
+    if optimizer is None:
+        return "none"
+    if isinstance(optimizer, str):
+        return optimizer
+    if isinstance(optimizer, torch.optim.SGD):
+        return "sgd" if any(g.get("momentum", 0) for g in optimizer.param_groups) else "none"
+    return "adam"
+
+
+def _check_cluster(cluster: Any) -> Cluster:
+    if not isinstance(cluster, Cluster):
+        raise AutohybridError(f"cluster must be an ah.Cluster (e.g. ah.Cluster.local(4)), got "
+                              f"{type(cluster).__name__}")
+    return cluster
+
+
+def _seq_len(inputs: tuple) -> int | None:
+    for t in inputs:
+        if isinstance(t, torch.Tensor) and t.dim() >= 2 and not t.is_floating_point():
+            return int(t.shape[1])
+    return None
+
+
+def _batch_size(inputs: tuple) -> int:
+    if not inputs or not isinstance(inputs[0], torch.Tensor) or inputs[0].dim() == 0:
+        raise AutohybridError("example_inputs must hold at least one tensor with a batch dim")
+    return int(inputs[0].shape[0])
+
+
+def make_plan(forward: CapturedGraph, train: CapturedGraph | None, model: nn.Module,
+              cluster: Cluster, example_inputs: tuple, global_batch: int | None,
+              dtype: torch.dtype | str | None, constraints: Constraints | None,
+              optimizer: str, executable_only: bool, model_ref: str | None = None) -> Plan:
+    """Search a plan for captured graphs (the training graph's costs when there is one)."""
+    if constraints is not None and not isinstance(constraints, Constraints):
+        raise PlanError(f"constraints must be ah.Constraints, got {type(constraints).__name__}")
+    costed = train or forward
+    cost: GraphCost = graph_cost(costed.gm, costed.dim_roles)
+    first = next(iter(model.parameters()), None)
+    width = first.element_size() if first is not None else 4
+    request = PlanRequest(
+        model_hash=forward.hash,
+        global_batch=int(global_batch or _batch_size(example_inputs)),
+        seq=_seq_len(example_inputs), dtype=dtype_name(dtype, model), graph_dtype_bytes=width,
+        optimizer=optimizer, constraints=constraints or Constraints(), model_ref=model_ref,
+        has_batch_norm=bool(training_batch_norms(costed.gm)))
+    if request.global_batch < 1:
+        raise PlanError(f"global_batch must be a positive integer, got {global_batch!r}")
+    return search(cost, cluster, request, unsupported, executable_only)
+
+
+def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
+         global_batch: int | None = None, dtype: torch.dtype | str | None = None,
+         constraints: Constraints | None = None, loss_fn: Callable | None = None,
+         example_targets: Any = None, optimizer: str = "adam",
+         model_ref: str | None = None) -> Plan:
+    """Choose a plan without starting processes (the model may live on the meta device).
+
+    Plans with features the runtime cannot execute yet are ranked too and marked
+    (`plan.executable`, `plan.not_executable_because`).
+    """
+    cluster = _check_cluster(cluster)
+    inputs = as_tuple(example_inputs)
+    forward = capture(model, inputs, with_loss=False)
+    train = None
+    if loss_fn is not None and example_targets is not None:
+        train = capture(model, inputs, loss_fn, example_targets)
+    return make_plan(forward, train, model, cluster, inputs, global_batch, dtype, constraints,
+                     optimizer, executable_only=False, model_ref=model_ref)
+
+
+def compile(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
+            loss_fn: Callable | None = None, example_targets: Any = None,
+            optimizer: OptimizerFactory | None = None, plan: Plan | None = None,
+            constraints: Constraints | None = None, global_batch: int | None = None,
+            dtype: torch.dtype | str | None = None) -> "CompiledModel":
+    """Compile `model` for `cluster`: capture, plan (or check `plan`), rewrite, set up ranks.
+
+    Call it on every rank (inside `ah.launch` or torchrun) with the same arguments.
+    """
+    from .runtime.compiled import CompiledModel
+
+    cluster = _check_cluster(cluster)
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise NotExecutableError(
+            "the model's parameters are on the meta device: ah.compile needs real parameters "
+            "(build the model on 'cpu' or 'cuda'); ah.plan works on meta models")
+    if dtype is not None and dtype_name(dtype, model) != dtype_name(None, model):
+        raise NotExecutableError(
+            f"dtype={dtype_name(dtype, model)} differs from the model's "
+            f"{dtype_name(None, model)}: mixed precision is not executable yet; cast the "
+            "model instead (model.to(dtype))")
+    return CompiledModel(model, cluster, as_tuple(example_inputs), loss_fn=loss_fn,
+                         example_targets=example_targets, optimizer_factory=optimizer,
+                         plan=plan, constraints=constraints, global_batch=global_batch)
+
+
+def check_plan_fits_model(plan: Plan, forward: CapturedGraph, cluster: Cluster) -> None:
+    if not isinstance(plan, Plan):
+        raise PlanError(f"plan must be an ah.Plan (e.g. ah.Plan.from_json(path)), got "
+                        f"{type(plan).__name__}")
+    if plan.model_hash != forward.hash:
+        raise PlanError(f"the plan was made for another model (graph hash {plan.model_hash}); "
+                        f"this model's graph hash is {forward.hash}. Make a new plan for it "
+                        "(plan=None searches one)")
+    if plan.world_size != cluster.world_size:
+        raise PlanError(f"the plan's mesh {plan.mesh.describe()} has {plan.world_size} ranks "
+                        f"but the cluster has {cluster.world_size} (degrees must multiply to the "
+                        "world size)")
+    reasons = unsupported(plan)
+    if reasons:
+        raise NotExecutableError("this plan cannot run yet: " + "; ".join(reasons))

@@ -1,0 +1,339 @@
+"""Capture: model (+ loss) → one ATen training-IR GraphModule with lifted parameters.
+
+Owns tracing (torch.export first, torch.fx.symbolic_trace lowered through export for
+models export rejects), the roles of placeholders, which symbolic dims are batch and
+sequence, and readable capture errors. It does not decide anything about parallelism.
+
+Example::
+
+    >>> import torch, autohybrid as ah
+    >>> model = ah.models.mlp(16, 32, 8)
+    >>> cap = capture(model, (torch.randn(4, 16),), loss_fn=torch.nn.functional.cross_entropy,
+    ...               example_targets=torch.randint(0, 8, (4,)))
+    >>> loss = cap.run(cap.default_state(model), (torch.randn(6, 16),), (torch.randint(0, 8, (6,)),))
+"""
+from __future__ import annotations
+
+import inspect
+import linecache
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import sympy
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.export import Dim, ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from .errors import CaptureError
+from .graph import AH_ROLE, VAL, graph_hash, verify
+
+_WRAPPER_PREFIX = "model."
+_TARGET_KWARGS = ("labels", "targets", "target", "y")
+
+
+@dataclass
+class CapturedGraph:
+    """A captured graph and what is needed to run it.
+
+    Placeholders come in this order: parameters, buffers, constants, model inputs,
+    targets. `param_fqns[i]` names the i-th parameter placeholder with the model's own
+    name; tied parameters appear once per name and `canonical` maps each name to the
+    first one (they are fed the same tensor, so autograd sums their gradients).
+    """
+
+    gm: fx.GraphModule
+    param_fqns: list[str]
+    buffer_fqns: list[str]
+    constants: dict[str, torch.Tensor]
+    num_inputs: int
+    num_targets: int
+    canonical: dict[str, str]
+    mutated_buffers: list[tuple[int, str]]      # (output index, buffer fqn)
+    user_outputs: list[int]                     # output indices of user outputs
+    dim_roles: dict[sympy.Symbol, str]          # symbol → "batch" | "seq"
+    method: str                                 # "export" | "symbolic_trace"
+    with_loss: bool
+    hash: str = ""
+    example_shapes: list[tuple[int, ...]] = field(default_factory=list)
+
+    def default_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Parameters and buffers of `model` keyed by the canonical names of the graph."""
+        state: dict[str, torch.Tensor] = {}
+        for fqn in self.param_fqns:
+            state.setdefault(self.canonical[fqn], model.get_parameter(self.canonical[fqn]))
+        for fqn in self.buffer_fqns:
+            state.setdefault(fqn, model.get_buffer(fqn))
+        return state
+
+    def flat_args(self, state: dict[str, torch.Tensor], inputs: Sequence[torch.Tensor],
+                  targets: Sequence[torch.Tensor] = ()) -> list[Any]:
+        params = [state[self.canonical[f]] for f in self.param_fqns]
+        buffers = [state[f] for f in self.buffer_fqns]
+        return [*params, *buffers, *self.constants.values(), *inputs, *targets]
+
+    def run(self, state: dict[str, torch.Tensor], inputs: Sequence[torch.Tensor],
+            targets: Sequence[torch.Tensor] = ()) -> Any:
+        """Run the graph and apply buffer mutations; the user outputs (one, or a tuple)."""
+        outs = self.gm(*self.flat_args(state, inputs, targets))
+        with torch.no_grad():
+            for index, fqn in self.mutated_buffers:
+                state[fqn].copy_(outs[index])
+        user = [outs[i] for i in self.user_outputs]
+        return user[0] if len(user) == 1 else tuple(user)
+
+    def sizes(self, batch: int, seq: int | None = None) -> dict[sympy.Symbol, int]:
+        """Values for the graph's symbols at a given (local) batch and sequence length."""
+        env: dict[sympy.Symbol, int] = {}
+        for sym, role in self.dim_roles.items():
+            if role == "batch":
+                env[sym] = batch
+            elif seq is not None:
+                env[sym] = seq
+        return env
+
+
+# ----------------------------------------------------------------------------- wrappers
+class _WithLoss(nn.Module):
+    """model + loss_fn as one module: forward(*inputs, *targets) -> scalar loss."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable | None, num_inputs: int):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.num_inputs = num_inputs
+        params = inspect.signature(model.forward).parameters
+        self.target_kwarg = next((k for k in _TARGET_KWARGS if k in params), None)
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        inputs, targets = args[: self.num_inputs], args[self.num_inputs:]
+        target = targets[0] if len(targets) == 1 else tuple(targets)
+        if self.loss_fn is not None:
+            return self.loss_fn(self.model(*inputs), target)
+        if self.target_kwarg is not None:
+            out = self.model(*inputs, **{self.target_kwarg: target})
+        else:
+            out = self.model(*inputs, *targets)
+        return _extract_loss(out)
+
+
+class _ForwardOnly(nn.Module):
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        return self.model(*inputs)
+
+
+def _extract_loss(out: Any) -> torch.Tensor:
+    """The loss from what a model returns: a scalar, `.loss`, or the scalar of a tuple."""
+    if isinstance(out, torch.Tensor) and out.dim() == 0:
+        return out
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(out, (tuple, list)):
+        scalars = [o for o in out if isinstance(o, torch.Tensor) and o.dim() == 0]
+        if len(scalars) == 1:
+            return scalars[0]
+    raise CaptureError(
+        "loss_fn=None, but the model did not return a loss: expected a scalar tensor, an "
+        f"object with .loss, or a tuple with exactly one scalar; got {type(out).__name__}. "
+        "Pass loss_fn=..., or make forward(inputs, targets) return the loss.")
+
+
+# ----------------------------------------------------------------------------- capture
+def as_tuple(x: Any) -> tuple:
+    if x is None:
+        return ()
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = None,
+            example_targets: Any = None, *, with_loss: bool = True) -> CapturedGraph:
+    """Capture `model` (with `loss_fn` when `with_loss`) as an ATen training-IR graph.
+
+    Dim 0 of every input and target is the batch dim; dim 1 of integer inputs with two or
+    more dims is the sequence dim; both are symbolic in the graph.
+    """
+    if not isinstance(model, nn.Module):
+        raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    inputs, targets = as_tuple(example_inputs), as_tuple(example_targets) if with_loss else ()
+    for name, group in (("example_inputs", inputs), ("example_targets", targets)):
+        for i, t in enumerate(group):
+            if not isinstance(t, torch.Tensor):
+                raise CaptureError(f"{name}[{i}] must be a tensor, got {type(t).__name__}")
+            if t.dim() == 0:
+                raise CaptureError(f"{name}[{i}] is a scalar; inputs need a batch dim (dim 0)")
+    if not inputs:
+        raise CaptureError("example_inputs is empty: give at least one input tensor")
+    device = next((p.device for p in model.parameters()), None)
+    if device is not None and device.type == "meta":
+        inputs = tuple(t.to("meta") for t in inputs)
+        targets = tuple(t.to("meta") for t in targets)
+    inputs, targets = _widen(inputs), _widen(targets)
+    wrapper = _WithLoss(model, loss_fn, len(inputs)) if with_loss else _ForwardOnly(model)
+    args = (*inputs, *targets)
+    dynamic = tuple(_dynamic_dims(t) for t in args)
+    ep, method = _export_with_fallback(wrapper, model, args, dynamic)
+    cap = _from_exported(ep, model, method, len(inputs), len(targets), with_loss)
+    cap.example_shapes = [tuple(t.shape) for t in args]
+    verify(cap.gm, "capture")
+    cap.hash = graph_hash(cap.gm)
+    return cap
+
+
+def _widen(tensors: tuple) -> tuple:
+    """Repeat size-1 batch/sequence dims to 2 so export keeps them symbolic."""
+    out = []
+    for t in tensors:
+        for d in _dynamic_dims(t):
+            if t.shape[d] == 1:
+                t = t.repeat_interleave(2, dim=d) if t.device.type != "meta" else \
+                    t.new_empty(*[2 if i == d else s for i, s in enumerate(t.shape)])
+        out.append(t)
+    return tuple(out)
+
+
+def _dynamic_dims(t: torch.Tensor) -> dict[int, Any]:
+    dims = {0: Dim.AUTO}
+    if t.dim() >= 2 and not t.is_floating_point() and not t.is_complex():
+        dims[1] = Dim.AUTO
+    return dims
+
+
+def _export_with_fallback(wrapper: nn.Module, model: nn.Module, args: tuple,
+                          dynamic: tuple) -> tuple[ExportedProgram, str]:
+    try:
+        ep = torch.export.export(wrapper, args, dynamic_shapes=(dynamic,), strict=False)
+        return ep, "export"
+    except CaptureError:
+        raise
+    except Exception as export_exc:  # torch raises many types; all become CaptureError
+        try:
+            # Only the model goes through symbolic_trace; the loss wrapper is re-applied.
+            wrapper.model = _symbolic_trace(model)
+            ep = torch.export.export(wrapper, args, dynamic_shapes=(dynamic,),
+                                     strict=False)
+            return ep, "symbolic_trace"
+        except Exception as trace_exc:
+            raise _capture_error(export_exc, trace_exc, model) from export_exc
+        finally:
+            wrapper.model = model
+
+
+def _symbolic_trace(model: nn.Module) -> fx.GraphModule:
+    """Trace `model` with fx (buffers as attributes so shape slicing of masks works)."""
+
+    class _Tracer(fx.Tracer):
+        proxy_buffer_attributes = True
+
+    graph = _Tracer().trace(model)
+    return fx.GraphModule(model, graph)
+
+
+def _capture_error(export_exc: BaseException, trace_exc: BaseException,
+                   model: nn.Module) -> CaptureError:
+    """A CaptureError that names the module and source line that failed, why, and a fix."""
+    names = {id(m): (n or "<root>") for n, m in model.named_modules()}
+    frame_info = None
+    for frame, lineno in traceback.walk_tb(export_exc.__traceback__):
+        code = frame.f_code
+        if "site-packages" in code.co_filename or "/torch/" in code.co_filename:
+            continue
+        if code.co_filename.endswith("autohybrid/capture.py"):
+            continue
+        first = frame.f_locals.get(code.co_varnames[0]) if code.co_varnames else None
+        module = names.get(id(first)) if isinstance(first, nn.Module) else None
+        frame_info = (code.co_filename, lineno, code.co_name, module or frame_info and frame_info[3])
+    reason = (str(export_exc).strip().splitlines() or [type(export_exc).__name__])[0]
+    where = "somewhere inside torch (no user frame in the traceback)"
+    if frame_info:
+        filename, lineno, func, module = frame_info
+        line = linecache.getline(filename, lineno).strip()
+        where = f"module {module or '?'} ({func} at {filename}:{lineno}: `{line}`)"
+    hint = _hint(export_exc)
+    return CaptureError(
+        f"could not capture the model: torch.export failed in {where}\n"
+        f"  reason: {type(export_exc).__name__}: {reason}\n"
+        f"  torch.fx.symbolic_trace fallback also failed: {type(trace_exc).__name__}: "
+        f"{(str(trace_exc).strip().splitlines() or [''])[0]}\n"
+        f"  what to do: {hint}")
+
+
+def _hint(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    if "data-dependent" in text or "GuardOnDataDependent" in text:
+        return ("replace Python control flow on tensor values (if x.sum() > 0, .item(), "
+                ".tolist()) with torch.where or torch.cond, so the graph does not depend on data")
+    if "shape" in text or "size" in text or "mat1 and mat2" in text:
+        return ("check that example_inputs (and example_targets) have the shapes the model "
+                "expects: dim 0 is the batch, the rest must match the model's layers")
+    return "make forward traceable by torch.export (non-strict); see torch.export's docs"
+
+
+def _from_exported(ep: ExportedProgram, model: nn.Module, method: str, num_inputs: int,
+                   num_targets: int, with_loss: bool) -> CapturedGraph:
+    gm = ep.graph_module
+    sig = ep.graph_signature
+    strip = lambda name: name[len(_WRAPPER_PREFIX):] if name.startswith(_WRAPPER_PREFIX) else name
+    canonical = _canonical_names(model)
+    params, buffers, constants = [], [], {}
+    nodes = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    user_index = 0
+    for spec in sig.input_specs:
+        node = nodes[spec.arg.name]
+        if spec.kind == InputKind.PARAMETER:
+            params.append(strip(spec.target))
+            node.meta[AH_ROLE] = "param"
+        elif spec.kind == InputKind.BUFFER:
+            buffers.append(strip(spec.target))
+            node.meta[AH_ROLE] = "buffer"
+        elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+            constants[spec.target] = ep.constants[spec.target]
+            node.meta[AH_ROLE] = "constant"
+        elif spec.kind == InputKind.USER_INPUT:
+            node.meta[AH_ROLE] = "input" if user_index < num_inputs else "target"
+            user_index += 1
+        else:
+            raise CaptureError(f"unsupported graph input kind {spec.kind} for {spec.target}")
+    mutated, user_outputs = [], []
+    for i, spec in enumerate(sig.output_specs):
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            mutated.append((i, strip(spec.target)))
+        elif spec.kind in (OutputKind.USER_OUTPUT, OutputKind.LOSS_OUTPUT):
+            user_outputs.append(i)
+        else:
+            raise CaptureError(f"the model mutates its inputs ({spec.kind}: {spec.target}); "
+                               "autohybrid needs forward to leave its inputs unchanged")
+    return CapturedGraph(
+        gm=gm, param_fqns=params, buffer_fqns=buffers, constants=constants,
+        num_inputs=num_inputs, num_targets=num_targets,
+        canonical={p: canonical.get(p, p) for p in params},
+        mutated_buffers=mutated, user_outputs=user_outputs,
+        dim_roles=_dim_roles(gm), method=method, with_loss=with_loss)
+
+
+def _canonical_names(model: nn.Module) -> dict[str, str]:
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(p), name)
+    return out
+
+
+def _dim_roles(gm: fx.GraphModule) -> dict[sympy.Symbol, str]:
+    roles: dict[sympy.Symbol, str] = {}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or node.meta.get(AH_ROLE) not in ("input", "target"):
+            continue
+        val = node.meta[VAL]
+        for d, size in enumerate(val.shape[:2]):
+            if isinstance(size, torch.SymInt):
+                expr = size.node.expr
+                if isinstance(expr, sympy.Symbol):
+                    roles.setdefault(expr, "batch" if d == 0 else "seq")
+    return roles

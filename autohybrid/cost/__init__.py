@@ -1,0 +1,1 @@
+"""The analytic cost model: compute (FLOPs, bytes), communication (α–β) and memory."""

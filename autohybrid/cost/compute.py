@@ -1,0 +1,203 @@
+"""Compute cost of a captured graph: FLOPs, bytes moved and saved activations per op.
+
+Rules are keyed by ATen op name (the one graph format). Sizes are sympy expressions of
+the graph's symbolic batch and sequence sizes, summed per class once and turned into fast
+functions, so a search evaluates a 175B-parameter graph at any microbatch in microseconds.
+This module reads graphs and device figures; it does not know about plans or meshes.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import sympy
+import torch
+import torch.fx as fx
+
+from ..graph import AH_ROLE, VAL, VIEW_OPS, op_name
+
+#: Documented efficiency constants of the roofline (fractions of peak). Calibration
+#: replaces them for a measured machine. Sources: hardware_and_formulas.md "practical
+#: ceilings" (large bf16 GEMMs reach 75–80 % of peak; memory-bound kernels ~80 % of HBM).
+MATMUL_EFFICIENCY = 0.75
+MEMORY_EFFICIENCY = 0.80
+LAUNCH_OVERHEAD_S = 5e-6
+
+MATMUL_OPS = frozenset({
+    "aten.linear.default", "aten.mm.default", "aten.bmm.default", "aten.matmul.default",
+    "aten.addmm.default", "aten.baddbmm.default", "aten.conv1d.default", "aten.conv2d.default",
+    "aten.conv3d.default", "aten.convolution.default", "aten.scaled_dot_product_attention.default",
+    "aten.einsum.default",
+})
+# ops whose backward needs their tensor inputs (the rest: outputs or nothing)
+_SAVES_NOTHING = frozenset({"aten.add.Tensor", "aten.sub.Tensor", "aten.neg.default",
+                            "aten.add_.Tensor", "aten.cat.default", "aten.clone.default",
+                            "aten.arange.default", "aten.arange.start", "aten.zeros.default",
+                            "aten.ones.default", "aten.full.default", "aten.copy_.default",
+                            "aten._to_copy.default", "aten.to.dtype", "aten.ones_like.default",
+                            "aten.zeros_like.default", "aten.new_zeros.default"})
+_SAVES_OUTPUT = frozenset({"aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int",
+                           "aten.tanh.default", "aten.sigmoid.default", "aten.exp.default",
+                           "aten.relu.default", "aten.relu_.default", "aten.rsqrt.default"})
+
+
+def sym_expr(x: Any) -> sympy.Expr:
+    if isinstance(x, torch.SymInt):
+        return x.node.expr
+    return sympy.Integer(int(x))
+
+
+def numel_expr(t: torch.Tensor) -> sympy.Expr:
+    return sympy.Mul(*[sym_expr(s) for s in t.shape]) if t.dim() else sympy.Integer(1)
+
+
+def nbytes_expr(t: torch.Tensor) -> sympy.Expr:
+    return numel_expr(t) * t.element_size()
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    return []
+
+
+def forward_flops(node: fx.Node) -> sympy.Expr:
+    """FLOPs of one forward op (multiply-add = 2), a sympy expression of the symbols."""
+    name = op_name(node)
+    out = node.meta.get(VAL)
+    outs = _tensors(out)
+    if not outs or name in VIEW_OPS:
+        return sympy.Integer(0)
+    args = [a.meta.get(VAL) if isinstance(a, fx.Node) else a for a in node.args]
+    if name in ("aten.linear.default", "aten.addmm.default"):
+        weight = args[1] if name == "aten.linear.default" else args[2]
+        k = weight.shape[-1] if name == "aten.linear.default" else weight.shape[0]
+        return 2 * numel_expr(outs[0]) * sym_expr(k)
+    if name in ("aten.mm.default", "aten.bmm.default", "aten.matmul.default",
+                "aten.baddbmm.default"):
+        a = args[1] if name == "aten.baddbmm.default" else args[0]
+        return 2 * numel_expr(outs[0]) * sym_expr(a.shape[-1])
+    if name in ("aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default",
+                "aten.convolution.default"):
+        weight = args[1]
+        per_output = sympy.Mul(*[sym_expr(s) for s in weight.shape[1:]])
+        return 2 * numel_expr(outs[0]) * per_output
+    if name == "aten.scaled_dot_product_attention.default":
+        q, k = args[0], args[1]
+        return 4 * numel_expr(q) * sym_expr(k.shape[-2])
+    if name in ("aten.embedding.default",):
+        return sympy.Integer(0)
+    return sum((numel_expr(t) for t in outs), sympy.Integer(0))
+
+
+def bytes_moved(node: fx.Node) -> sympy.Expr:
+    """Bytes read and written by one forward op (inputs + outputs), 0 for views."""
+    name = op_name(node)
+    if name in VIEW_OPS or node.op != "call_function":
+        return sympy.Integer(0)
+    ins = [t for a in node.args for t in _tensors(a.meta.get(VAL) if isinstance(a, fx.Node) else None)]
+    outs = _tensors(node.meta.get(VAL))
+    if name == "aten.embedding.default":  # reads only the gathered rows
+        ins = ins[1:]
+    return sum((nbytes_expr(t) for t in ins + outs), sympy.Integer(0))
+
+
+def saved_nodes(node: fx.Node) -> list[fx.Node]:
+    """Nodes whose values autograd keeps for this op's backward (tensors that need it)."""
+    name = op_name(node)
+    if node.op != "call_function" or name in VIEW_OPS or name in _SAVES_NOTHING:
+        return []
+    if node.target is operator.getitem:
+        return []
+    if name in _SAVES_OUTPUT:
+        return [node]
+    saved = [a for a in node.args if isinstance(a, fx.Node) and isinstance(a.meta.get(VAL), torch.Tensor)]
+    if name == "aten.scaled_dot_product_attention.default":
+        saved.append(node)
+    return saved
+
+
+@dataclass(frozen=True)
+class GraphCost:
+    """Totals of a graph as functions of (batch, seq); all forward-only quantities."""
+
+    param_count: int
+    param_bytes: int
+    matmul_flops: Callable[[int, int], float]
+    other_flops: Callable[[int, int], float]
+    memory_bytes: Callable[[int, int], float]
+    activation_bytes: Callable[[int, int], float]
+    num_ops: int
+
+    def flops(self, batch: int, seq: int) -> float:
+        return self.matmul_flops(batch, seq) + self.other_flops(batch, seq)
+
+
+def graph_cost(gm: fx.GraphModule, dim_roles: dict[sympy.Symbol, str]) -> GraphCost:
+    """Sum the rules over `gm` once and compile the sums into functions of (batch, seq)."""
+    batch, seq = sympy.symbols("batch seq", positive=True, integer=True)
+    subs = {s: (batch if role == "batch" else seq) for s, role in dim_roles.items()}
+    mm, other, moved, saved_exprs = [], [], [], []
+    saved: dict[str, fx.Node] = {}
+    param_count = param_bytes = 0
+    seen_params: set[str] = set()
+    num_ops = 0
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.meta.get(AH_ROLE) == "param":
+            val = node.meta[VAL]
+            if node.name not in seen_params:
+                seen_params.add(node.name)
+                param_count += val.numel()
+                param_bytes += val.numel() * val.element_size()
+            continue
+        if node.op != "call_function":
+            continue
+        name = op_name(node)
+        if name not in VIEW_OPS and node.target is not operator.getitem:
+            num_ops += 1
+        (mm if name in MATMUL_OPS else other).append(forward_flops(node))
+        moved.append(bytes_moved(node))
+        for s in saved_nodes(node):
+            if s.meta.get(AH_ROLE) in ("param", "buffer", "constant"):
+                continue
+            saved.setdefault(s.name, s)
+    for s in saved.values():
+        saved_exprs.extend(nbytes_expr(t) for t in _tensors(s.meta.get(VAL)))
+
+    def compile_sum(terms: list[sympy.Expr]) -> Callable[[int, int], float]:
+        expr = sympy.Add(*terms).xreplace(subs) if terms else sympy.Integer(0)
+        fn = sympy.lambdify((batch, seq), expr, modules="math")
+        return lambda b, s: float(fn(b, s if s is not None else 1))
+
+    return GraphCost(param_count=param_count, param_bytes=param_bytes,
+                     matmul_flops=compile_sum(mm), other_flops=compile_sum(other),
+                     memory_bytes=compile_sum(moved), activation_bytes=compile_sum(saved_exprs),
+                     num_ops=num_ops)
+
+
+def step_compute_time(cost: GraphCost, batch: int, seq: int | None, peak_flops: float,
+                      memory_bandwidth: float, *, recompute_forward: bool = False) -> float:
+    """Forward + backward time of one microbatch on one device (roofline per op class).
+
+    Backward costs twice the forward (two matmuls per forward matmul; element-wise
+    backward reads and writes about twice as much), so a step is 3× forward, 4× with
+    full recomputation.
+    """
+    passes = 4.0 if recompute_forward else 3.0
+    matmul_s = cost.matmul_flops(batch, seq) / (peak_flops * MATMUL_EFFICIENCY)
+    memory_s = cost.memory_bytes(batch, seq) / (memory_bandwidth * MEMORY_EFFICIENCY)
+    other_s = cost.other_flops(batch, seq) / peak_flops
+    return passes * (matmul_s + max(memory_s, other_s)) + passes * cost.num_ops * LAUNCH_OVERHEAD_S
+
+
+def model_flops_per_step(cost: GraphCost, batch: int, seq: int | None) -> float:
+    """Model FLOPs of one optimizer step over `batch` samples (forward + backward)."""
+    return 3.0 * cost.flops(batch, seq)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b) if b else math.inf  # type: ignore[return-value]

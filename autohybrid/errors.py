@@ -1,0 +1,46 @@
+"""The typed errors autohybrid raises.
+
+Every error a user can provoke with bad input derives from `AutohybridError`, names the
+culprit (the argument, field, node, mesh axis or rank) and says what to do about it.
+Nothing here imports torch: any module may raise these.
+"""
+from __future__ import annotations
+
+
+class AutohybridError(Exception):
+    """Base class of every error autohybrid raises on purpose."""
+
+
+class CaptureError(AutohybridError):
+    """The model (with its loss) could not be captured as a graph."""
+
+
+class ClusterError(AutohybridError):
+    """A cluster description is invalid (unknown preset, bad JSON field, wrong world size)."""
+
+
+class PlanError(AutohybridError):
+    """A plan is invalid, does not fit, or belongs to another model or cluster."""
+
+
+class NoPlanFitsError(PlanError):
+    """No plan in the searched space fits in device memory; the message gives the numbers."""
+
+
+class NotExecutableError(PlanError):
+    """A plan or constraint asks for a feature the runtime cannot execute yet."""
+
+
+class RuntimeFailure(AutohybridError):
+    """Something failed while running: a rank raised, ranks disagree, or a timeout hit."""
+
+
+class RankFailure(RuntimeFailure):
+    """A rank of `ah.launch` raised; carries the rank and its formatted traceback."""
+
+    def __init__(self, rank: int, traceback_text: str, exitcode: int | None = None):
+        self.rank = rank
+        self.traceback_text = traceback_text
+        self.exitcode = exitcode
+        detail = traceback_text.strip() or f"exit code {exitcode}"
+        super().__init__(f"rank {rank} failed:\n{detail}")

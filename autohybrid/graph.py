@@ -1,0 +1,155 @@
+"""The one graph format: keys of `node.meta`, small helpers and `verify(gm)`.
+
+Every graph autohybrid handles is a torch.fx GraphModule in ATen training IR, as
+`torch.export.export` produces it, with parameters, buffers and constants lifted to
+placeholders. This module owns the names of the meta keys any pass may read or write and
+the checks that a graph still has the format. It imports nothing else from autohybrid.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+
+# node.meta keys ------------------------------------------------------------------------
+VAL = "val"                      # FakeTensor (or SymInt / tuple) the node produces
+MODULE_STACK = "nn_module_stack"  # {key: (module path, module type)} set by torch.export
+STACK_TRACE = "stack_trace"      # user source lines that produced the node
+AH_PASS = "ah_pass"              # name of the autohybrid pass that created the node
+AH_ROLE = "ah_role"              # on placeholders: "param" | "buffer" | "constant" | "input" | "target"
+
+#: Ops that only re-describe memory (no FLOPs, no new storage in the common case).
+VIEW_OPS = frozenset({
+    "aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
+    "aten.transpose.int", "aten.permute.default", "aten.t.default", "aten.expand.default",
+    "aten.unsqueeze.default", "aten.squeeze.dim", "aten.squeeze.dims", "aten.split.Tensor",
+    "aten.split_with_sizes.default", "aten.slice.Tensor", "aten.select.int",
+    "aten.alias.default", "aten.detach.default", "aten.flatten.using_ints",
+    "aten.unflatten.int", "aten.chunk.default", "aten.unbind.int", "aten.contiguous.default",
+    "aten.sym_size.int", "aten.sym_numel.default", "aten.view_as.default",
+    "aten.expand_as.default", "aten.dropout.default",
+})
+
+
+def op_name(node: fx.Node) -> str:
+    """`aten.linear.default` for an OpOverload target, else the target's qualified name."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.namespace}.{target._schema.name.split('::')[-1]}.{target._overloadname}"
+    if isinstance(target, str):
+        return target
+    return getattr(target, "__qualname__", repr(target))
+
+
+def module_path(node: fx.Node) -> str:
+    """The dotted path of the innermost module that produced `node` ("" for the top)."""
+    stack = node.meta.get(MODULE_STACK) or {}
+    if not stack:
+        return ""
+    path, _ = list(stack.values())[-1]
+    return path
+
+
+def source_line(node: fx.Node) -> str:
+    """The last user source line recorded for `node`, or ""."""
+    trace = (node.meta.get(STACK_TRACE) or "").strip().splitlines()
+    return trace[-1].strip() if trace else ""
+
+
+def fake_value(node: fx.Node) -> Any:
+    return node.meta.get(VAL)
+
+
+def placeholders(gm: fx.GraphModule, role: str | None = None) -> list[fx.Node]:
+    nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return [n for n in nodes if role is None or n.meta.get(AH_ROLE) == role]
+
+
+def output_node(gm: fx.GraphModule) -> fx.Node:
+    return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+
+
+def graph_hash(gm: fx.GraphModule) -> str:
+    """A hash of the graph's structure: ops, argument wiring, shapes and dtypes.
+
+    Equal for two captures of the same model code and configuration, different when a
+    layer, a size or a dtype changes. Independent of parameter values.
+    """
+    digest = hashlib.sha256()
+    for node in gm.graph.nodes:
+        val = node.meta.get(VAL)
+        shape = tuple(str(s) for s in val.shape) if isinstance(val, torch.Tensor) else None
+        dtype = str(val.dtype) if isinstance(val, torch.Tensor) else None
+        args = fx.node.map_arg((node.args, node.kwargs), lambda a: f"%{a.name}")
+        digest.update(repr((node.op, node.name, op_name(node), _stable(args), shape, dtype,
+                            node.meta.get(AH_ROLE))).encode())
+    return digest.hexdigest()[:16]
+
+
+def _stable(obj: Any) -> Any:
+    if isinstance(obj, (list, tuple)):
+        return tuple(_stable(o) for o in obj)
+    if isinstance(obj, dict):
+        return tuple(sorted((k, _stable(v)) for k, v in obj.items()))
+    if isinstance(obj, (torch.device, torch.dtype, torch.layout, torch.memory_format)):
+        return str(obj)
+    if isinstance(obj, torch.SymInt):
+        return str(obj)
+    return obj if isinstance(obj, (int, float, str, bool, type(None))) else type(obj).__name__
+
+
+def propagate_fake(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> None:
+    """Fill `meta["val"]` of `nodes` (new nodes a pass created) from their inputs' values."""
+    from torch._guards import detect_fake_mode
+
+    vals = [n.meta[VAL] for n in gm.graph.nodes if isinstance(n.meta.get(VAL), torch.Tensor)]
+    mode = detect_fake_mode(vals)
+    for node in nodes:
+        if node.op != "call_function":
+            continue
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta[VAL])
+        with mode:
+            node.meta[VAL] = node.target(*args, **kwargs)
+
+
+class GraphFormatError(AssertionError):
+    """`verify` found a graph that is not in the one format (a bug in a pass)."""
+
+
+def verify(gm: fx.GraphModule, pass_name: str = "capture") -> None:
+    """Check the invariants every pass must keep; raise GraphFormatError naming the node.
+
+    - the fx graph lints (def-before-use, one output);
+    - every call_function target is an ATen/prim/autohybrid OpOverload or `operator.getitem`
+      (or an autohybrid op function);
+    - every placeholder has a role and a fake value; every tensor-producing node has one;
+    - every node a pass created says which pass (`meta["ah_pass"]`).
+    """
+    import operator
+
+    try:
+        gm.graph.lint()
+    except Exception as exc:  # fx raises RuntimeError with its own message
+        raise GraphFormatError(f"after pass {pass_name!r}: graph does not lint: {exc}") from exc
+    for node in gm.graph.nodes:
+        where = f"after pass {pass_name!r}, node {node.name!r} ({op_name(node)})"
+        if node.op == "placeholder":
+            if node.meta.get(AH_ROLE) is None:
+                raise GraphFormatError(f"{where}: placeholder without meta['{AH_ROLE}']")
+            if node.meta.get(VAL) is None:
+                raise GraphFormatError(f"{where}: placeholder without a fake value")
+        elif node.op == "call_function":
+            target = node.target
+            ok = (isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator))
+                  or target is operator.getitem
+                  or getattr(target, "__module__", "").startswith("autohybrid.ops"))
+            if not ok:
+                raise GraphFormatError(f"{where}: target {target!r} is not an ATen or autohybrid op")
+            returns_nothing = (isinstance(target, torch._ops.OpOverload)
+                               and not target._schema.returns)
+            if node.meta.get(VAL) is None and not returns_nothing:
+                raise GraphFormatError(f"{where}: no fake value in meta['{VAL}']")
+        elif node.op in ("call_module", "call_method"):
+            raise GraphFormatError(f"{where}: {node.op} nodes are not part of the ATen format")

@@ -1,0 +1,28 @@
+"""autohybrid's model zoo: GPT, Llama, MLP and ResNet factories plus named presets.
+
+Every factory takes ``device=`` and ``dtype=`` and builds directly there; on the meta
+device nothing is allocated or initialized. Every model has a ``kind`` (``"gpt"``,
+``"llama"``, ``"mlp"``, ``"resnet"``) and a ``config`` dict of its constructor kwargs, so
+``build(model.kind, model.config)`` rebuilds it. Transformers are capturable by
+``torch.export.export(..., strict=False)`` with dynamic batch and sequence dims.
+
+>>> import autohybrid.models as zoo
+>>> m = zoo.preset("gpt-tiny")
+>>> (ids,), targets = zoo.example_batch("gpt-tiny", batch=2)
+>>> m(ids).shape
+torch.Size([2, 16, 96])
+"""
+from __future__ import annotations
+
+from ._common import RMSNorm
+from .gpt import GPT, gpt
+from .llama import Llama, llama, llama_ffn_hidden
+from .mlp import MLP, mlp
+from .presets import FACTORIES, PRESETS, ModelConfig, build, example_batch, get_preset, preset
+from .resnet import RESNET_DEPTHS, ResNet, resnet
+
+__all__ = [
+    "FACTORIES", "GPT", "Llama", "MLP", "ModelConfig", "PRESETS", "RESNET_DEPTHS", "RMSNorm",
+    "ResNet", "build", "example_batch", "get_preset", "gpt", "llama", "llama_ffn_hidden",
+    "mlp", "preset", "resnet",
+]

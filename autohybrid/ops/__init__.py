@@ -1,0 +1,7 @@
+"""Ops that rewritten graphs call: autograd-aware collectives and fused kernels.
+
+Passes import this package to insert the ops; the runtime imports it to bind the process
+groups the ops use (`groups.bind`). Graph nodes name a mesh axis ("dp", "tp", "pp"), never
+a process group, so one graph is valid on every rank.
+"""
+from . import batch_norm, groups  # noqa: F401  (registers the autohybrid:: custom ops)

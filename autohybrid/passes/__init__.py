@@ -1,0 +1,27 @@
+"""Graph passes, registered by name, applied in a fixed order.
+
+Order (why): `global_loss` first, because it only touches the loss and every later pass
+must see the rewritten outputs; `sync_batch_norm` after it, since it depends only on the
+data-parallel axis. Later passes (tensor_parallel → sequence_parallel → pipeline_split →
+recompute → overlap → fusion) join this list as the runtime learns to execute them.
+"""
+from __future__ import annotations
+
+from .global_loss import global_loss
+from .manager import Pass, PassContext, run_passes
+from .sync_batch_norm import sync_batch_norm
+
+REGISTRY: dict[str, Pass] = {
+    "global_loss": global_loss,
+    "sync_batch_norm": sync_batch_norm,
+}
+ORDER = ("global_loss", "sync_batch_norm")
+
+
+def passes_for(graph_kind: str) -> list[tuple[str, Pass]]:
+    """The passes in order for a "train" (model + loss) or "forward" graph."""
+    names = ORDER if graph_kind == "train" else tuple(n for n in ORDER if n != "global_loss")
+    return [(name, REGISTRY[name]) for name in names]
+
+
+__all__ = ["REGISTRY", "ORDER", "Pass", "PassContext", "passes_for", "run_passes"]

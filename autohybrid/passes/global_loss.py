@@ -1,0 +1,187 @@
+"""Pass: make the loss decomposable over the batch, so shards give eager's exact loss.
+
+A loss such as `cross_entropy(reduction="mean", ignore_index=-100)` divides by a count
+that depends on the whole batch. This pass rewrites the loss's final reduction to a sum
+and adds a second output, the denominator eager divides by, so that for any split of the
+batch into shards (data-parallel ranks, microbatches)
+
+    loss(global batch) = Σ numerator(shard) / Σ denominator(shard).
+
+The rewrite follows the loss back through scalar epilogues (multiplication or division by
+a constant, views, dtype casts) to one of the reductions in `_MEAN_RULES`. `ctx.notes
+["loss_kind"]` becomes "mean" (numerator/denominator), "sum" (numerators add) or
+"opaque" (a loss this pass does not understand: allowed only when the batch is not split).
+
+Example::
+
+    gm = global_loss(gm, ctx)
+    numerator, denominator = gm(*args)          # per shard
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from ..errors import PlanError
+from ..graph import AH_PASS, VAL, op_name, output_node, propagate_fake, source_line
+from .manager import PassContext
+
+aten = torch.ops.aten
+
+#: Scalar epilogue ops that commute with the sum over shards.
+_EPILOGUE = {"aten.mul.Tensor", "aten.mul.Scalar", "aten.div.Tensor", "aten.div.Scalar",
+             "aten.clone.default", "aten.alias.default", "aten.view.default",
+             "aten.reshape.default", "aten._to_copy.default", "aten.to.dtype",
+             "aten.squeeze.default", "aten.detach.default"}
+#: Losses that take `reduction` (1 = mean, 2 = sum) and average over every element.
+_ELEMENTWISE_LOSSES = {"aten.mse_loss.default", "aten.l1_loss.default",
+                       "aten.smooth_l1_loss.default", "aten.huber_loss.default",
+                       "aten.binary_cross_entropy.default",
+                       "aten.binary_cross_entropy_with_logits.default",
+                       "aten.soft_margin_loss.default", "aten.kl_div.default"}
+#: Losses over class indices whose mean divides by the (weighted) count of kept targets.
+_CLASS_LOSSES = {"aten.cross_entropy_loss.default", "aten.nll_loss.default",
+                 "aten.nll_loss_nd.default", "aten.nll_loss2d.default"}
+_MEAN, _SUM = 1, 2
+
+
+def global_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    out = output_node(gm)
+    outputs = list(out.args[0])
+    index = ctx.notes.get("loss_output_index", len(outputs) - 1)
+    loss = outputs[index]
+    reduction = _find_reduction(loss)
+    graph = gm.graph
+    created: list[fx.Node] = []
+    if reduction is None:
+        kind, denominator = "opaque", None
+    else:
+        kind, denominator = _rewrite(gm, reduction, created)
+    if kind == "opaque":
+        shards = ctx.plan.mesh.dp * ctx.plan.num_microbatches
+        if shards > 1:
+            raise PlanError(
+                f"the loss ends in node {loss.name!r} ({op_name(loss)}, `{source_line(loss)}`), "
+                f"which autohybrid cannot split over {shards} batch shards exactly. Use a mean "
+                "or sum reduction (F.cross_entropy, F.nll_loss, F.mse_loss, .mean(), .sum(), ...),"
+                " possibly scaled by a constant, or run with dp=1 and one microbatch")
+    if denominator is None:
+        with graph.inserting_before(out):
+            denominator = graph.call_function(aten.scalar_tensor.default, (1.0,),
+                                              {"dtype": loss.meta[VAL].dtype})
+        created.append(denominator)
+    for node in created:
+        node.meta[AH_PASS] = "global_loss"
+    propagate_fake(gm, created)
+    outputs[index] = loss
+    outputs.append(denominator)
+    out.args = (tuple(outputs),)
+    ctx.notes["loss_kind"] = kind
+    return gm
+
+
+def _find_reduction(loss: fx.Node) -> fx.Node | None:
+    """The reduction the loss ends in, seen through scalar epilogues; None if unknown."""
+    node = loss
+    while node.op == "call_function":
+        name = op_name(node)
+        if name.startswith(("aten.mul", "aten.div")) and name in _EPILOGUE:
+            if isinstance(node.args[1], fx.Node):  # scaled by a tensor: may depend on data
+                return None
+            node = node.args[0]
+        elif name in _EPILOGUE:
+            node = node.args[0]
+        else:
+            return node if _is_reduction(node) else None
+    return None
+
+
+def _kwargs(node: fx.Node) -> dict:
+    """The op's arguments by schema name (defaults filled in)."""
+    out = {}
+    for i, arg in enumerate(node.target._schema.arguments):
+        if i < len(node.args):
+            out[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            out[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            out[arg.name] = arg.default_value
+    return out
+
+
+def _set_args(node: fx.Node, kwargs: dict) -> None:
+    node.args = tuple(kwargs[a.name] for a in node.target._schema.arguments
+                      if not a.kwarg_only and a.name in kwargs)
+    node.kwargs = {a.name: kwargs[a.name] for a in node.target._schema.arguments
+                   if a.kwarg_only and a.name in kwargs}
+
+
+def _is_reduction(node: fx.Node) -> bool:
+    name = op_name(node)
+    if name in ("aten.mean.default", "aten.sum.default"):
+        return True
+    if name in ("aten.mean.dim", "aten.sum.dim_IntList"):
+        kw = _kwargs(node)
+        dims = kw.get("dim")
+        rank = kw["self"].meta[VAL].dim()
+        return dims is None or len(dims) == 0 or sorted(d % rank for d in dims) == list(range(rank))
+    if name in _ELEMENTWISE_LOSSES or name in _CLASS_LOSSES:
+        return _kwargs(node).get("reduction", _MEAN) in (_MEAN, _SUM)
+    return False
+
+
+def _rewrite(gm: fx.GraphModule, node: fx.Node, created: list[fx.Node]) -> tuple[str, fx.Node | None]:
+    """Turn the mean reduction `node` into a sum; return the kind and the denominator."""
+    name, graph = op_name(node), gm.graph
+    kw = _kwargs(node)
+    if name in ("aten.sum.default", "aten.sum.dim_IntList"):
+        return "sum", None
+    if name in _ELEMENTWISE_LOSSES or name in _CLASS_LOSSES:
+        if kw.get("reduction", _MEAN) == _SUM:
+            return "sum", None
+        kw["reduction"] = _SUM
+        _set_args(node, kw)
+        node.meta[AH_PASS] = "global_loss"
+    else:  # mean over every element
+        with graph.inserting_before(node):
+            summed = graph.call_function(aten.sum.default, (kw["self"],))
+        summed.meta.update(node.meta)
+        node.replace_all_uses_with(summed)
+        graph.erase_node(node)
+        created.append(summed)
+        node = summed
+    with graph.inserting_before(output_node(gm)):
+        if name in _CLASS_LOSSES:
+            denominator = _class_count(graph, kw, node.meta[VAL].dtype, created)
+        else:
+            first = kw["self"]
+            count = graph.call_function(aten.sym_numel.default, (first,))
+            denominator = graph.call_function(aten.scalar_tensor.default, (count,),
+                                              {"dtype": node.meta[VAL].dtype})
+            created += [count, denominator]
+    return "mean", denominator
+
+
+def _class_count(graph: fx.Graph, kw: dict, dtype: torch.dtype,
+                 created: list[fx.Node]) -> fx.Node:
+    """Σ weight[target] over targets != ignore_index (or their number), as eager divides."""
+    target = kw["target"]
+    weight, ignore = kw.get("weight"), kw.get("ignore_index", -100)
+
+    def call(op, *args, **kwargs) -> fx.Node:
+        node = graph.call_function(op, args, kwargs)
+        created.append(node)
+        return node
+
+    if target.meta[VAL].is_floating_point():  # class probabilities: mean over samples
+        ones = call(aten.ones_like.default, call(aten.select.int, target, 1, 0), dtype=dtype)
+        return call(aten.sum.default, ones)
+    keep = call(aten.ne.Scalar, target, ignore)
+    if weight is None:
+        return call(aten.sum.default, keep, dtype=dtype)
+    safe = call(aten.where.ScalarOther, keep, target, 0)
+    picked = call(aten.index.Tensor, weight, [safe])
+    kept = call(aten.mul.Tensor, picked, keep)
+    return call(aten.sum.default, kept)

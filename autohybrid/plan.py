@@ -1,0 +1,320 @@
+"""The Plan: every decision the search takes, as frozen data with a JSON form.
+
+The Plan is the only thing that crosses from search to passes and runtime. It is
+rank-independent, records the model (graph hash) and the cluster it was made for and the
+rank placement of the mesh, and round-trips through JSON byte for byte. `Constraints`
+pins any subset of the choices. This module imports nothing from the rest of autohybrid
+but the errors.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import PlanError
+
+FORMAT_VERSION = 1
+SCHEDULES = ("none", "gpipe", "1f1b", "interleaved", "zero-bubble")
+RECOMPUTE = ("none", "selective", "full")
+COLLECTIVE_ALGORITHMS = ("flat", "hierarchical")
+OPTIMIZERS = ("adam", "sgd", "none")
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Degrees of the mesh axes ("pp", "dp", "tp"); sp runs on the tp axis."""
+
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    sp: bool = False
+
+    def __post_init__(self) -> None:
+        for axis in ("pp", "dp", "tp"):
+            value = getattr(self, axis)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PlanError(f"mesh.{axis} must be a positive integer, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pp, dp, tp) coordinates of `rank` in row-major ("pp", "dp", "tp") order."""
+        return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
+
+    def describe(self) -> str:
+        sp = "+sp" if self.sp else ""
+        return f"pp{self.pp}×dp{self.dp}×tp{self.tp}{sp}"
+
+
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where mesh rank `rank` runs: machine `node`, device `device` on it."""
+
+    rank: int
+    node: int
+    device: int
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Predicted bytes per rank (the most loaded rank)."""
+
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations
+
+
+@dataclass(frozen=True)
+class Prediction:
+    step_time_s: float = 0.0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    exposed_comm_s: float = 0.0
+    bubble_fraction: float = 0.0
+    mfu: float = 0.0
+    memory_per_rank_bytes: int = 0
+    device_memory_bytes: int = 0
+    memory: MemoryBreakdown = field(default_factory=MemoryBreakdown)
+
+
+@dataclass(frozen=True)
+class NodeSharding:
+    """Placement of one graph node's output on the tp axis (DTensor vocabulary)."""
+
+    node: str
+    placement: str  # "replicate" | "shard(d)" | "partial"
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A runner-up plan: its shape, its prediction, and why it lost to the chosen one."""
+
+    summary: str
+    step_time_s: float
+    memory_per_rank_bytes: int
+    fits: bool
+    executable: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    model_hash: str
+    cluster: str
+    cluster_hash: str
+    mesh: Mesh
+    placement: tuple[RankPlacement, ...]
+    global_batch: int
+    microbatch_size: int
+    num_microbatches: int
+    dtype: str = "float32"
+    optimizer: str = "adam"
+    schedule: str = "none"
+    virtual_stages: int = 1
+    stage_boundaries: tuple[str, ...] = ()
+    recompute: str = "none"
+    zero: int = 0
+    bucket_mb: float = 25.0
+    collective_algorithm: str = "flat"
+    collective_matmul: bool = False
+    shardings: tuple[NodeSharding, ...] = ()
+    calibration_hash: str | None = None
+    model_ref: str | None = None
+    executable: bool = True
+    not_executable_because: tuple[str, ...] = ()
+    predicted: Prediction = field(default_factory=Prediction)
+    alternatives: tuple[Alternative, ...] = ()
+    version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world_size
+
+    @property
+    def local_batch(self) -> int:
+        """Samples per data-parallel rank per step."""
+        return self.microbatch_size * self.num_microbatches
+
+    def hash(self) -> str:
+        """Hash of the plan's decisions (not of its predictions or alternatives)."""
+        decisions = dataclasses.replace(self, predicted=Prediction(), alternatives=())
+        return hashlib.sha256(decisions.to_json().encode()).hexdigest()[:16]
+
+    def summary(self) -> str:
+        p = self.predicted
+        return (f"{self.mesh.describe()} microbatch {self.microbatch_size}×{self.num_microbatches}"
+                f" zero{self.zero} recompute={self.recompute} | step {p.step_time_s * 1e3:.1f} ms,"
+                f" {p.memory_per_rank_bytes / 2**30:.2f} GiB/rank")
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        return _to_jsonable(self)
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        if not isinstance(data, dict):
+            raise PlanError(f"a plan must be a JSON object, got {type(data).__name__}")
+        version = data.get("version")
+        if version != FORMAT_VERSION:
+            raise PlanError(f"plan format version {version!r} is not supported (this autohybrid "
+                            f"reads version {FORMAT_VERSION}); make the plan again with ah.plan")
+        return _from_jsonable(cls, data, "plan")
+
+    @classmethod
+    def from_json(cls, path_or_text: str | Path) -> "Plan":
+        text = str(path_or_text)
+        if not text.lstrip().startswith("{"):
+            try:
+                text = Path(path_or_text).read_text()
+            except OSError as exc:
+                raise PlanError(f"cannot read plan file {path_or_text!r}: {exc}") from exc
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"plan file is not valid JSON: {exc}") from exc
+        return cls.from_dict(data)
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """Pins any subset of the plan's choices; None leaves a choice to the search."""
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    sp: bool | None = None
+    microbatch_size: int | None = None
+    num_microbatches: int | None = None
+    schedule: str | None = None
+    virtual_stages: int | None = None
+    recompute: str | None = None
+    zero: int | None = None
+    stage_boundaries: tuple[str, ...] | None = None
+    bucket_mb: float | None = None
+    collective_algorithm: str | None = None
+    collective_matmul: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp", "microbatch_size", "num_microbatches", "virtual_stages"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise PlanError(f"Constraints.{name} must be a positive integer, got {value!r}")
+        _check_choice("Constraints.schedule", self.schedule, SCHEDULES, optional=True)
+        _check_choice("Constraints.recompute", self.recompute, RECOMPUTE, optional=True)
+        _check_choice("Constraints.collective_algorithm", self.collective_algorithm,
+                      COLLECTIVE_ALGORITHMS, optional=True)
+        if self.zero is not None and self.zero not in (0, 1, 2, 3):
+            raise PlanError(f"Constraints.zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if self.bucket_mb is not None and not self.bucket_mb > 0:
+            raise PlanError(f"Constraints.bucket_mb must be > 0, got {self.bucket_mb!r}")
+
+    def pinned(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) is not None}
+
+
+# ---------------------------------------------------------------------- validation
+def _check_choice(name: str, value: Any, allowed: tuple, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if value not in allowed:
+        raise PlanError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+
+
+def _validate(plan: Plan) -> None:
+    _check_choice("plan.schedule", plan.schedule, SCHEDULES)
+    _check_choice("plan.recompute", plan.recompute, RECOMPUTE)
+    _check_choice("plan.collective_algorithm", plan.collective_algorithm, COLLECTIVE_ALGORITHMS)
+    _check_choice("plan.optimizer", plan.optimizer, OPTIMIZERS)
+    if plan.zero not in (0, 1, 2, 3):
+        raise PlanError(f"plan.zero must be 0..3, got {plan.zero!r}")
+    for name in ("global_batch", "microbatch_size", "num_microbatches", "virtual_stages"):
+        value = getattr(plan, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise PlanError(f"plan.{name} must be a positive integer, got {value!r}")
+    if plan.mesh.dp * plan.local_batch != plan.global_batch:
+        raise PlanError(
+            f"plan.global_batch {plan.global_batch} != dp {plan.mesh.dp} × microbatch_size "
+            f"{plan.microbatch_size} × num_microbatches {plan.num_microbatches}")
+    ranks = sorted(p.rank for p in plan.placement)
+    if ranks != list(range(plan.mesh.world_size)):
+        raise PlanError(
+            f"plan.placement must list ranks 0..{plan.mesh.world_size - 1} once each (the "
+            f"mesh {plan.mesh.describe()} has {plan.mesh.world_size} ranks); it lists "
+            f"{len(ranks)} ranks")
+    devices = {(p.node, p.device) for p in plan.placement}
+    if len(devices) != len(plan.placement):
+        raise PlanError("plan.placement puts two ranks on the same (node, device)")
+
+
+# ---------------------------------------------------------------------- JSON helpers
+def _to_jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_jsonable(getattr(obj, f.name)) for f in fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_to_jsonable(o) for o in obj]
+    return obj
+
+
+def _from_jsonable(cls: type, data: Any, path: str) -> Any:
+    if not isinstance(data, dict):
+        raise PlanError(f"{path} must be an object, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise PlanError(f"unknown field {path}.{unknown[0]} (known: {', '.join(sorted(known))})")
+    kwargs = {}
+    for f in fields(cls):
+        if f.name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise PlanError(f"missing field {path}.{f.name}")
+            continue
+        kwargs[f.name] = _convert(hints[f.name], data[f.name], f"{path}.{f.name}")
+    return cls(**kwargs)
+
+
+def _convert(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(tp)
+        if value is None and type(None) in options:
+            return None
+        inner = [o for o in options if o is not type(None)]
+        return _convert(inner[0], value, path)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise PlanError(f"{path} must be a list, got {type(value).__name__}")
+        item = typing.get_args(tp)[0]
+        return tuple(_convert(item, v, f"{path}[{i}]") for i, v in enumerate(value))
+    if dataclasses.is_dataclass(tp):
+        return _from_jsonable(tp, value, path)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool) and (type(value) is not tp):
+        raise PlanError(f"{path} must be {tp.__name__}, got {value!r}")
+    return value

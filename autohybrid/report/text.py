@@ -1,0 +1,64 @@
+"""Plain-text reports: a Plan summary (CLI, `ah.plan`) and `compiled.explain()`."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..graph import op_name
+from ..plan import Plan
+
+_GiB = 2**30
+
+
+def format_plan(plan: Plan) -> str:
+    """A Plan as a few readable lines: mesh, batch split, predictions, alternatives."""
+    p, m = plan.predicted, plan.predicted.memory
+    lines = [
+        f"plan for {plan.cluster}",
+        f"  mesh            {plan.mesh.describe()}  ({plan.world_size} ranks, model graph "
+        f"{plan.model_hash})",
+        f"  batch           global {plan.global_batch} = dp {plan.mesh.dp} × microbatch "
+        f"{plan.microbatch_size} × {plan.num_microbatches} microbatches",
+        f"  dtype           {plan.dtype}, optimizer state {plan.optimizer}, ZeRO {plan.zero}, "
+        f"recompute {plan.recompute}",
+        f"  gradient sync   {plan.collective_algorithm} all-reduce in {plan.bucket_mb:g} MB "
+        "buckets, launched during backward",
+        f"  step time       {p.step_time_s * 1e3:.2f} ms predicted (compute "
+        f"{p.compute_s * 1e3:.2f} ms, communication {p.comm_s * 1e3:.2f} ms of which "
+        f"{p.exposed_comm_s * 1e3:.2f} ms exposed), MFU {p.mfu * 100:.1f} %",
+        f"  memory / rank   {m.total / _GiB:.3f} GiB of {p.device_memory_bytes / _GiB:.1f} GiB "
+        f"(parameters {m.params / _GiB:.3f}, gradients {m.grads / _GiB:.3f}, optimizer "
+        f"{m.optimizer / _GiB:.3f}, activations {m.activations / _GiB:.3f})",
+    ]
+    if not plan.executable:
+        lines.append("  NOT EXECUTABLE YET: " + "; ".join(plan.not_executable_because))
+    if plan.alternatives:
+        lines.append("  alternatives (why they lost):")
+        for alt in plan.alternatives:
+            lines.append(f"    - {alt.summary.split(' |')[0]}: {alt.reason}")
+    return "\n".join(lines)
+
+
+def explain(compiled: Any) -> str:
+    """What a compiled model does on this rank and why."""
+    plan = compiled.plan
+    lines = [format_plan(plan), f"this rank: {compiled.rank} at (pp, dp, tp) = {compiled.coords}"]
+    for r in plan.placement:
+        lines.append(f"  rank {r.rank} → node {r.node}, device {r.device}, (pp, dp, tp) = "
+                     f"{plan.mesh.coords(r.rank)}")
+    for kind, gm in compiled.graphs.items():
+        created: dict[str, int] = {}
+        for node in gm.graph.nodes:
+            name = node.meta.get("ah_pass")
+            if name:
+                created[name] = created.get(name, 0) + 1
+        collectives = sorted({op_name(n) for n in gm.graph.nodes
+                              if n.op == "call_function" and "autohybrid" in op_name(n)})
+        notes = compiled.notes.get(kind, {})
+        lines.append(f"graph {kind!r}: {len(gm.graph.nodes)} nodes; nodes created by passes "
+                     f"{created or 'none'}; autohybrid ops {collectives or 'none'}; "
+                     f"loss kind {notes.get('loss_kind', '-')}")
+    reducer = compiled.executor.reducer
+    sizes = [sum(p.numel() * p.element_size() for p in b.params) for b in reducer.buckets]
+    lines.append(f"gradient buckets: {len(sizes)} (bytes {sizes}), all-reduced over dp = "
+                 f"{plan.mesh.dp} as each bucket's gradients become ready")
+    return "\n".join(lines)

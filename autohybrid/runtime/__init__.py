@@ -1,0 +1,1 @@
+"""Runtime: process launch (`autohybrid.runtime.launch`), process groups and schedules."""

@@ -1,0 +1,213 @@
+"""The compiled model users hold: `train_step`, `__call__`, gathered state, `explain`.
+
+Built on every rank from the same model, cluster and options. It owns the captured
+graphs, the rewritten per-rank graphs, the mesh and the executor; the model's own
+parameters are this rank's parameters (data parallelism keeps them whole), so the user's
+model trains in place, as with DDP.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+
+from .. import passes as passes_mod
+from ..capture import CapturedGraph, as_tuple, capture
+from ..cluster import Cluster
+from ..errors import AutohybridError, PlanError
+from ..plan import Constraints, Plan
+from .executor import Executor, check_same_plan
+from .groups import build_mesh, ensure_initialized
+
+
+class CompiledModel:
+    def __init__(self, model: nn.Module, cluster: Cluster, example_inputs: tuple, *,
+                 loss_fn: Callable | None, example_targets: Any,
+                 optimizer_factory: Callable | None, plan: Plan | None,
+                 constraints: Constraints | None, global_batch: int | None):
+        from ..api import check_plan_fits_model, make_plan, optimizer_kind
+
+        ensure_initialized(cluster.world_size)
+        self.model, self.cluster, self.loss_fn = model, cluster, loss_fn
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self._move_to_device()
+        self.example_inputs = tuple(t.to(self.device) for t in example_inputs)
+        self._forward_captures: dict[bool, CapturedGraph] = {}
+        forward = self._forward_capture()
+        self._train: CapturedGraph | None = None
+        if example_targets is not None:
+            self._train = capture(model, self.example_inputs, loss_fn,
+                                  tuple(t.to(self.device) for t in as_tuple(example_targets)))
+        self.optimizer = optimizer_factory(self._unique_params()) if optimizer_factory else None
+        if plan is None:
+            plan = make_plan(forward, self._train, model, cluster, self.example_inputs,
+                             global_batch, None, constraints, optimizer_kind(self.optimizer),
+                             executable_only=True)
+        else:
+            check_plan_fits_model(plan, forward, cluster)
+        self.plan = plan
+        self._check_batch_norm_microbatches()
+        check_same_plan(plan.hash())
+        mesh = build_mesh(plan, cluster.device_type)
+        self.mesh = mesh
+        self.coords = plan.mesh.coords(self.rank)
+        dp_group = mesh.get_group("dp") if mesh is not None and plan.mesh.dp > 1 else None
+        state = self._train.default_state(model) if self._train else forward.default_state(model)
+        self.executor = Executor(plan, self.rank, self.coords[1], dp_group,
+                                 _full_state(model, state), self._unique_params())
+        self.graphs: dict[str, fx.GraphModule] = {}
+        self.notes: dict[str, dict[str, Any]] = {}
+        self.programs: dict[str, CapturedGraph] = {}
+        if self._train is not None:
+            self._rewrite("train", self._train)
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _move_to_device(self) -> None:
+        if self.cluster.device_type == "cuda":
+            local = self.rank % self.cluster.devices_per_node
+            self.device = torch.device("cuda", local)
+            self.model.to(self.device)
+        else:
+            self.device = torch.device("cpu")
+
+    def _unique_params(self) -> list[nn.Parameter]:
+        return list(self.model.parameters())
+
+    def _forward_capture(self) -> CapturedGraph:
+        mode = self.model.training
+        if mode not in self._forward_captures:
+            self._forward_captures[mode] = capture(self.model, self.example_inputs,
+                                                   with_loss=False)
+        return self._forward_captures[mode]
+
+    def _check_batch_norm_microbatches(self) -> None:
+        from ..passes.sync_batch_norm import training_batch_norms
+        graph = self._train or self._forward_capture()
+        if self.plan.num_microbatches > 1 and training_batch_norms(graph.gm):
+            raise PlanError(
+                f"the plan splits each rank's batch into {self.plan.num_microbatches} "
+                "microbatches, but the model has BatchNorm in training mode: its statistics "
+                "would then cover one microbatch, not the global batch as in eager. Use one "
+                "microbatch (Constraints(num_microbatches=1))")
+
+    def _rewrite(self, kind: str, cap: CapturedGraph) -> CapturedGraph:
+        """Run the passes on `cap`'s graph; the result is this rank's program for `kind`."""
+        ctx = passes_mod.PassContext(plan=self.plan, rank=self.rank, coords=self.coords,
+                                     graph_kind="train" if cap.with_loss else "forward")
+        if cap.with_loss:
+            ctx.notes["loss_output_index"] = cap.user_outputs[0]
+        gm = passes_mod.run_passes(cap.gm, ctx, passes_mod.passes_for(ctx.graph_kind))
+        outputs = list(cap.user_outputs)
+        if cap.with_loss:  # global_loss appended the denominator as the last output
+            outputs.append(len(cap.mutated_buffers) + len(cap.user_outputs))
+        program = dataclasses.replace(cap, gm=gm, user_outputs=outputs)
+        self.graphs[kind], self.notes[kind], self.programs[kind] = gm, ctx.notes, program
+        return program
+
+    def _inputs(self, inputs: Any, what: str, expected: int | None) -> tuple:
+        tensors = as_tuple(inputs)
+        if expected is not None and len(tensors) != expected:
+            raise AutohybridError(f"{what}: expected {expected} tensor(s) as in the example, got "
+                                  f"{len(tensors)}")
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor):
+                raise AutohybridError(f"{what}[{i}] must be a tensor, got {type(t).__name__}")
+        return tuple(t.to(self.device) for t in tensors)
+
+    # ------------------------------------------------------------------ training
+    def forward_backward(self, inputs: Any, targets: Any = None, *, local: bool = False) -> torch.Tensor:
+        """Forward and backward of the global batch; gradients summed over dp, not stepped."""
+        inputs = self._inputs(inputs, "inputs", len(self.example_inputs))
+        targets = self._inputs(targets, "targets", None)
+        if self._train is None:
+            if not targets and self.loss_fn is not None:
+                raise AutohybridError("train_step needs targets when a loss_fn is given")
+            shard = self.executor.local_slice if not local else (lambda ts, w: list(ts))
+            micro = self.executor.microbatches(shard(targets, "targets"), "targets")[0]
+            self._train = capture(self.model, self.example_inputs, self.loss_fn, tuple(micro))
+            self._rewrite("train", self._train)
+        if len(targets) != self._train.num_targets:
+            raise AutohybridError(f"targets: expected {self._train.num_targets} tensor(s), got "
+                                  f"{len(targets)}")
+        for p in self._unique_params():
+            p.grad = None
+        result = self.executor.forward_backward(self.programs["train"],
+                                                self.notes["train"]["loss_kind"], inputs,
+                                                targets, local)
+        return result.loss
+
+    def train_step(self, inputs: Any, targets: Any = None, *, local: bool = False,
+                   max_grad_norm: float | None = None) -> torch.Tensor:
+        """One optimizer step on the global batch; returns eager's loss of that batch."""
+        loss = self.forward_backward(inputs, targets, local=local)
+        if max_grad_norm is not None:
+            self.clip_grad_norm_(max_grad_norm)
+        if self.optimizer is not None:
+            self.optimizer.step()
+        return loss
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip gradients by their global norm (across all shards); returns the norm."""
+        grads = [p.grad for p in self._unique_params() if p.grad is not None]
+        if not grads:
+            return torch.zeros(())
+        norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads])
+        total = torch.linalg.vector_norm(norms, norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+        return total
+
+    def local_slice(self, batch: Any) -> Any:
+        """This rank's data-parallel shard of a global batch (tensor or tuple of tensors)."""
+        out = self.executor.local_slice(as_tuple(batch), "batch")
+        return out[0] if isinstance(batch, torch.Tensor) else tuple(out)
+
+    # ------------------------------------------------------------------ forward only
+    def __call__(self, inputs: Any) -> Any:
+        cap = self._forward_capture()
+        kind = f"forward_{'train' if self.model.training else 'eval'}"
+        program = self.programs.get(kind) or self._rewrite(kind, cap)
+        tensors = self._inputs(inputs, "inputs", len(self.example_inputs))
+        with torch.no_grad():
+            return self.executor.forward(program, tensors)
+
+    # ------------------------------------------------------------------ state
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.model.named_parameters())
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer, whole, as `model.state_dict()` names them."""
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        """The gradients of the last step, whole, keyed like `model.named_parameters()`."""
+        return {n: (p.grad.detach().clone() if p.grad is not None else None)
+                for n, p in self.model.named_parameters()}
+
+    @property
+    def kernels(self) -> list:
+        """Generated fused kernels of this program (none: no fusion pass runs yet)."""
+        return []
+
+    @property
+    def reducer_events(self):
+        return list(self.executor.reducer.events)
+
+    def explain(self) -> str:
+        from ..report.text import explain
+        return explain(self)
+
+
+def _full_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    full = dict(state)
+    for name, p in model.named_parameters():
+        full.setdefault(name, p)
+    for name, b in model.named_buffers():
+        full.setdefault(name, b)
+    return full

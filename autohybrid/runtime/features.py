@@ -1,0 +1,36 @@
+"""What the runtime can execute today: the one place `ah.compile`'s search consults.
+
+`ah.plan` may rank plans with other features and marks them; `ah.compile` searches only
+among plans for which `unsupported(plan)` is empty, and refuses a pinned constraint or a
+saved plan that needs a missing feature with `NotExecutableError`.
+"""
+from __future__ import annotations
+
+from ..plan import Plan
+
+def unsupported(plan: Plan) -> list[str]:
+    """Why the runtime cannot run `plan` yet (empty when it can)."""
+    reasons = []
+    mesh = plan.mesh
+    if mesh.tp > 1:
+        reasons.append(f"tensor parallelism (tp={mesh.tp}) is not executable yet")
+    if mesh.sp:
+        reasons.append("sequence parallelism (sp=True) is not executable yet")
+    if mesh.pp > 1:
+        reasons.append(f"pipeline parallelism (pp={mesh.pp}) is not executable yet")
+    if plan.schedule != "none":
+        reasons.append(f"pipeline schedule {plan.schedule!r} needs pipeline parallelism, "
+                       "which is not executable yet")
+    if plan.virtual_stages != 1:
+        reasons.append(f"virtual_stages={plan.virtual_stages} (interleaving) is not executable yet")
+    if plan.stage_boundaries:
+        reasons.append("stage_boundaries need pipeline parallelism, not executable yet")
+    if plan.zero:
+        reasons.append(f"ZeRO stage {plan.zero} is not executable yet (ZeRO 0 only)")
+    if plan.recompute != "none":
+        reasons.append(f"recompute={plan.recompute!r} is not executable yet")
+    if plan.collective_algorithm != "flat":
+        reasons.append(f"collective_algorithm={plan.collective_algorithm!r} is not executable yet")
+    if plan.collective_matmul:
+        reasons.append("collective_matmul=True is not executable yet")
+    return reasons

@@ -1,0 +1,322 @@
+"""Process launcher: `launch` runs `main(rank, *args)` on every rank of a local cluster.
+
+This module owns starting rank processes, wiring up the default process group, moving
+results and tracebacks back to the parent, and cleaning up: no rank process (nor any
+process it started in its process group) outlives `launch`, whatever happens.
+
+- Local mode (default): one child process per rank (``fork`` by default, ``spawn`` on
+  request), each in its own process group and with ``OMP_NUM_THREADS=1``; env RANK,
+  LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
+  ``AUTOHYBRID_LAUNCHED=1`` are set, the default group is initialized from a fresh
+  ``file://`` store, and destroyed when `main` returns. Results come back in rank order.
+- The first rank to fail (raise, or die without reporting) makes `launch` kill all ranks
+  and raise `RankFailure` for that rank. A timeout raises `RuntimeFailure`.
+- Under torchrun (``TORCHELASTIC_RUN_ID`` set, or RANK/WORLD_SIZE set by someone else)
+  nothing is spawned: `main` runs in this process and `launch` returns ``[result]``, a
+  one-element list holding only this rank's result.
+
+Environment: ``AUTOHYBRID_COLLECTIVE_TIMEOUT_S`` (process-group timeout, default 60),
+``AUTOHYBRID_LAUNCH_TIMEOUT_S`` (overall timeout when `timeout_s` is None),
+``AUTOHYBRID_INPROCESS=1`` (run a 1-rank world in this process instead of a child).
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Iterator, TypeVar
+
+from autohybrid.errors import ClusterError, RankFailure, RuntimeFailure
+
+T = TypeVar("T")
+
+__all__ = ["launch", "free_port"]
+
+_KILL_GRACE_S = 3.0  # SIGTERM -> SIGKILL
+_EXIT_WAIT_S = 1.0  # how long to wait for a failed rank to exit, for its exit code
+_DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that was free a moment ago (bind port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cluster_info(cluster: Any) -> tuple[int, str, str, bool]:
+    if isinstance(cluster, int) and not isinstance(cluster, bool):
+        ws, device_type, backend, local = cluster, "cpu", "gloo", True
+    else:
+        ws = getattr(cluster, "world_size", None)
+        device_type = getattr(cluster, "device_type", "cpu")
+        backend = getattr(cluster, "backend", "nccl" if device_type == "cuda" else "gloo")
+        local = bool(getattr(cluster, "is_local", True))
+    if not isinstance(ws, int) or isinstance(ws, bool) or ws < 1:
+        raise ClusterError(f"launch: world size must be an int >= 1, got {ws!r}; "
+                           "pass a Cluster or a positive int")
+    return ws, backend, device_type, local
+
+
+def _env_float(name: str, default: float | None) -> float | None:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise RuntimeFailure(f"env {name}={raw!r} is not a number of seconds") from None
+
+
+def _collective_timeout() -> timedelta:
+    return timedelta(seconds=_env_float("AUTOHYBRID_COLLECTIVE_TIMEOUT_S",
+                                        _DEFAULT_COLLECTIVE_TIMEOUT_S))
+
+
+def _under_torchrun() -> bool:
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" in env:
+        return True
+    return "RANK" in env and "WORLD_SIZE" in env and "AUTOHYBRID_LAUNCHED" not in env
+
+
+@contextlib.contextmanager
+def _temp_env(values: dict[str, str]) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _rank_env(rank: int, ws: int, port: int) -> dict[str, str]:
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ws),
+            "LOCAL_WORLD_SIZE": str(ws), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "AUTOHYBRID_LAUNCHED": "1"}
+
+
+def _run_in_this_process(main: Callable[..., T], rank: int, ws: int, backend: str,
+                         device_type: str, init_method: str, args: tuple) -> T:
+    """Init the default group (if needed), run main, destroy the group if we made it."""
+    import torch
+    import torch.distributed as dist
+
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                world_size=ws, timeout=_collective_timeout())
+    try:
+        return main(rank, *args)
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _set_parent_death_signal() -> None:
+    """Linux: have the kernel SIGKILL this child if the launching process dies."""
+    with contextlib.suppress(Exception):
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _child(rank: int, ws: int, backend: str, device_type: str, port: int, store: str,
+           main: Callable[..., Any], args: tuple, conn: Any, parent_pid: int) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    torch.set_num_threads(1)
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    _set_parent_death_signal()
+    if os.getppid() != parent_pid:  # parent died before prctl took effect
+        os._exit(1)
+    os.environ.update(_rank_env(rank, ws, port))
+    reported = False
+
+    def report_error() -> None:  # before the group is destroyed: peers fail after us
+        nonlocal reported
+        if not reported:
+            reported = True
+            with contextlib.suppress(Exception):
+                conn.send(("err", traceback.format_exc(), time.time()))
+
+    def guarded_main(rank: int, *args: Any) -> Any:
+        try:
+            return main(rank, *args)
+        except BaseException:
+            report_error()
+            raise
+
+    try:
+        result = _run_in_this_process(guarded_main, rank, ws, backend, device_type,
+                                      f"file://{store}", args)
+        conn.send(("ok", result, time.time()))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        report_error()
+        raise SystemExit(1)
+    finally:
+        conn.close()
+
+
+def _signal_group(p: Any, sig: int) -> None:
+    """Send sig to the child's process group (its grandchildren too), else to the child."""
+    if p.pid is None:
+        return
+    try:
+        os.killpg(p.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p.pid, sig)
+
+
+def _kill_all(procs: list[Any]) -> None:
+    for p in procs:
+        if p.is_alive():
+            _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + _KILL_GRACE_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            _signal_group(p, signal.SIGKILL)
+        p.join()
+        _signal_group(p, signal.SIGKILL)  # leftover grandchildren in the child's group
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name} (exit code {code})"
+        except ValueError:
+            return f"killed by signal {-code} (exit code {code})"
+    return f"exited with code {code}"
+
+
+def launch(main: Callable[..., T], cluster: Any, *, args: tuple = (),
+           timeout_s: float | None = None, start_method: str = "fork") -> list[T]:
+    """Run ``main(rank, *args)`` on every rank of `cluster`; return results in rank order.
+
+    `cluster` has ``world_size``, ``backend``, ``device_type`` and ``is_local`` (or is an
+    int: that many gloo/CPU ranks). Results must be picklable. Under torchrun, runs
+    `main` only for this process's rank and returns a one-element list ``[result]``.
+    Raises `RankFailure` for the first failing rank, `RuntimeFailure` on timeout.
+    """
+    ws, backend, device_type, local = _cluster_info(cluster)
+    if _under_torchrun():
+        env_ws = int(os.environ.get("WORLD_SIZE", "-1"))
+        if env_ws != ws:
+            raise ClusterError(
+                f"launch under torchrun: WORLD_SIZE={env_ws} from torchrun but the cluster "
+                f"has world_size={ws}; start torchrun with {ws} processes in total "
+                f"(e.g. --nproc-per-node {ws}) or describe a cluster of {env_ws} ranks")
+        rank = int(os.environ["RANK"])
+        return [_run_in_this_process(main, rank, ws, backend, device_type, "env://", args)]
+    if not local:
+        raise ClusterError(f"launch: the cluster spans several nodes ({ws} ranks) but "
+                           "launch only starts local processes; run the script with "
+                           "torchrun on every node instead")
+    if timeout_s is None:
+        timeout_s = _env_float("AUTOHYBRID_LAUNCH_TIMEOUT_S", None)
+    port = free_port()
+    tmpdir = tempfile.mkdtemp(prefix="autohybrid-launch-")
+    store = os.path.join(tmpdir, "store")
+    try:
+        if ws == 1 and os.environ.get("AUTOHYBRID_INPROCESS") == "1":
+            with _temp_env(_rank_env(0, 1, port)):
+                return [_run_in_this_process(main, 0, 1, backend, device_type,
+                                             f"file://{store}", args)]
+        return _launch_children(main, ws, backend, device_type, port, store, args,
+                                timeout_s, start_method)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _launch_children(main: Callable[..., T], ws: int, backend: str, device_type: str,
+                     port: int, store: str, args: tuple, timeout_s: float | None,
+                     start_method: str) -> list[T]:
+    if device_type == "cuda" and start_method == "fork":
+        import torch
+        if torch.cuda.is_initialized():
+            raise RuntimeFailure("launch: CUDA is already initialized in this process, so "
+                                 "forked ranks cannot use it; pass start_method='spawn'")
+    ctx = mp.get_context(start_method)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    procs: list[Any] = []
+    readers: list[Any] = []
+    conns: dict[Any, int] = {}  # parent ends of the result pipes still open -> rank
+    results: dict[int, Any] = {}
+    try:
+        for rank in range(ws):
+            reader, writer = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_child, name=f"autohybrid-rank{rank}", daemon=False,
+                            args=(rank, ws, backend, device_type, port, store, main,
+                                  args, writer, os.getpid()))
+            p.start()
+            writer.close()
+            with contextlib.suppress(OSError):
+                os.setpgid(p.pid, p.pid)  # also done by the child; closes the race
+            procs.append(p)
+            readers.append(reader)
+            conns[reader] = rank
+        sentinels = {p.sentinel: r for r, p in enumerate(procs)}
+        while len(results) < ws:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                running = [r for r in range(ws) if r not in results]
+                raise RuntimeFailure(
+                    f"launch timed out after {timeout_s:g} s; ranks {running} still "
+                    f"running (of {ws}); raise timeout_s or AUTOHYBRID_LAUNCH_TIMEOUT_S "
+                    "if the job is just slow")
+            ready = mpc.wait(list(conns) + list(sentinels), timeout=remaining)
+            failures: list[tuple[float, int, str]] = []  # (when, rank, traceback)
+
+            def read(conn: Any) -> None:
+                try:
+                    kind, payload, when = conn.recv()
+                except (EOFError, OSError):
+                    del conns[conn]
+                    return
+                if kind == "ok":
+                    results[conns[conn]] = payload
+                else:
+                    failures.append((when, conns[conn], payload))
+
+            dead = [sentinels.pop(o) for o in ready if o in sentinels]
+            for conn in [o for o in ready if o in conns]:
+                read(conn)
+            for rank in dead:
+                if readers[rank] in conns and readers[rank].poll():
+                    read(readers[rank])  # a report that raced with the exit
+                if rank not in results and all(f[1] != rank for f in failures):
+                    procs[rank].join(_EXIT_WAIT_S)  # sentinel fires just before reaping
+                    failures.append((time.time(), rank,
+                                     f"rank {rank} {_describe_exit(procs[rank].exitcode)} "
+                                     "without reporting a result or an exception"))
+            if failures:
+                _, rank, text = min(failures)
+                p = procs[rank]
+                p.join(_EXIT_WAIT_S)
+                raise RankFailure(rank, text, p.exitcode)  # `finally` kills the rest
+        grace_end = time.monotonic() + _KILL_GRACE_S  # all reported: let them tear down
+        for p in procs:
+            p.join(max(0.0, grace_end - time.monotonic()))
+        return [results[r] for r in range(ws)]
+    finally:
+        _kill_all(procs)
+        for c in readers:
+            c.close()

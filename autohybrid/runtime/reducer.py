@@ -1,0 +1,110 @@
+"""Bucketed data-parallel gradient reduction launched during backward.
+
+Parameters are grouped into buckets in the reverse of their first use in the forward
+graph (the order backward makes their gradients ready). A post-accumulate-grad hook
+counts ready gradients; when a bucket is complete its flattened gradients are all-reduced
+asynchronously while backward continues. `finish` waits, writes the sums back scaled by
+`1 / Σ denominators` (see passes/global_loss.py) and records, per bucket, when it was
+launched and how many gradients were still pending — the structural proof of overlap.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Bucket:
+    params: list[torch.nn.Parameter]
+    ready: int = 0
+    flat: torch.Tensor | None = None
+    work: object | None = None
+
+
+@dataclass
+class LaunchEvent:
+    bucket: int
+    time: float
+    pending_grads: int       # gradients of the whole model not yet ready at launch
+
+
+@dataclass
+class GradReducer:
+    params: list[torch.nn.Parameter]
+    group: dist.ProcessGroup | None
+    bucket_bytes: int
+    buckets: list[Bucket] = field(default_factory=list)
+    events: list[LaunchEvent] = field(default_factory=list)
+    active: bool = False
+
+    def __post_init__(self) -> None:
+        current: list[torch.nn.Parameter] = []
+        size = 0
+        for p in reversed(self.params):
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= self.bucket_bytes:
+                self.buckets.append(Bucket(current))
+                current, size = [], 0
+        if current:
+            self.buckets.append(Bucket(current))
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params
+                         if p.requires_grad]
+        self._pending = 0
+
+    @property
+    def world(self) -> int:
+        return 1 if self.group is None else dist.get_world_size(self.group)
+
+    def prepare(self) -> None:
+        """Arm the hooks for the next backward (the one that completes the step's grads)."""
+        for b in self.buckets:
+            b.ready, b.flat, b.work = 0, None, None
+        self.events.clear()
+        self._pending = sum(1 for p in self.params if p.requires_grad)
+        self.active = True
+
+    def _on_grad(self, param: torch.nn.Parameter) -> None:
+        if not self.active:
+            return
+        self._pending -= 1
+        index = self._bucket_of[id(param)]
+        bucket = self.buckets[index]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch(index)
+
+    def _launch(self, index: int) -> None:
+        bucket = self.buckets[index]
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        bucket.flat = torch.cat([g.reshape(-1) for g in grads])
+        if self.world > 1:
+            bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+        self.events.append(LaunchEvent(index, time.perf_counter(), self._pending))
+
+    def finish(self, scale: float | torch.Tensor) -> None:
+        """Launch buckets whose gradients never arrived, wait for all, write back × scale."""
+        for index, bucket in enumerate(self.buckets):
+            if bucket.flat is None:
+                self._launch(index)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            offset = 0
+            for p in bucket.params:
+                n = p.numel()
+                reduced = bucket.flat[offset:offset + n].view_as(p).mul_(scale)
+                if p.grad is None:
+                    p.grad = reduced.clone()
+                else:
+                    p.grad.copy_(reduced)
+                offset += n
+        self.active = False
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
