@@ -6,7 +6,7 @@ processes; `ah.plan(...)` plans without processes (models on the meta device inc
 """
 from __future__ import annotations
 
-from . import models
+from . import logs, models
 from .api import compile, plan
 from .cluster import Cluster
 from .errors import (AutohybridError, CaptureError, ClusterError, NoPlanFitsError,
@@ -15,6 +15,7 @@ from .plan import Constraints, Plan
 from .runtime.launch import launch
 
 __version__ = "0.1.0"
+logs.configure_from_env()
 
 __all__ = [
     "AutohybridError", "CaptureError", "Cluster", "ClusterError", "Constraints",

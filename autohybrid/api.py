@@ -13,12 +13,12 @@ import torch.nn as nn
 
 from .capture import CapturedGraph, as_tuple, capture
 from .cluster import Cluster
-from .cost.compute import GraphCost, graph_cost
 from .errors import AutohybridError, NotExecutableError, PlanError
 from .passes.sync_batch_norm import training_batch_norms
 from .plan import Constraints, Plan
 from .runtime.features import unsupported
 from .search.planner import PlanRequest, search
+from .search.space import profile as model_profile
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -76,7 +76,7 @@ def make_plan(forward: CapturedGraph, train: CapturedGraph | None, model: nn.Mod
     if constraints is not None and not isinstance(constraints, Constraints):
         raise PlanError(f"constraints must be ah.Constraints, got {type(constraints).__name__}")
     costed = train or forward
-    cost: GraphCost = graph_cost(costed.gm, costed.dim_roles)
+    profile = model_profile(costed.gm, costed.dim_roles)
     first = next(iter(model.parameters()), None)
     width = first.element_size() if first is not None else 4
     request = PlanRequest(
@@ -87,18 +87,19 @@ def make_plan(forward: CapturedGraph, train: CapturedGraph | None, model: nn.Mod
         has_batch_norm=bool(training_batch_norms(costed.gm)))
     if request.global_batch < 1:
         raise PlanError(f"global_batch must be a positive integer, got {global_batch!r}")
-    return search(cost, cluster, request, unsupported, executable_only)
+    return search(profile, cluster, request, unsupported, executable_only)
 
 
 def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
          global_batch: int | None = None, dtype: torch.dtype | str | None = None,
          constraints: Constraints | None = None, loss_fn: Callable | None = None,
          example_targets: Any = None, optimizer: str = "adam",
-         model_ref: str | None = None) -> Plan:
+         model_ref: str | None = None, executable_only: bool = False) -> Plan:
     """Choose a plan without starting processes (the model may live on the meta device).
 
     Plans with features the runtime cannot execute yet are ranked too and marked
-    (`plan.executable`, `plan.not_executable_because`).
+    (`plan.executable`, `plan.not_executable_because`); `executable_only=True` searches
+    only what `ah.compile` can run today.
     """
     cluster = _check_cluster(cluster)
     inputs = as_tuple(example_inputs)
@@ -107,7 +108,7 @@ def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
     if loss_fn is not None and example_targets is not None:
         train = capture(model, inputs, loss_fn, example_targets)
     return make_plan(forward, train, model, cluster, inputs, global_batch, dtype, constraints,
-                     optimizer, executable_only=False, model_ref=model_ref)
+                     optimizer, executable_only=executable_only, model_ref=model_ref)
 
 
 def compile(model: nn.Module, cluster: Cluster, example_inputs: Any, *,

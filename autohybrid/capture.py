@@ -28,7 +28,7 @@ from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from .errors import CaptureError
-from .graph import AH_ROLE, VAL, graph_hash, verify
+from .graph import AH_PARAM, AH_ROLE, VAL, graph_hash, verify
 
 _WRAPPER_PREFIX = "model."
 _TARGET_KWARGS = ("labels", "targets", "target", "y")
@@ -125,7 +125,11 @@ class _ForwardOnly(nn.Module):
         self.model = model
 
     def forward(self, *inputs: torch.Tensor) -> Any:
-        return self.model(*inputs)
+        out = self.model(*inputs)
+        if hasattr(out, "to_tuple") and hasattr(out, "items"):  # Hugging Face ModelOutput:
+            # keep its tensors (logits, ...), drop caches export cannot return
+            return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+        return out
 
 
 def _extract_loss(out: Any) -> torch.Tensor:
@@ -232,29 +236,42 @@ def _symbolic_trace(model: nn.Module) -> fx.GraphModule:
         proxy_buffer_attributes = True
 
     graph = _Tracer().trace(model)
-    return fx.GraphModule(model, graph)
+    gm = fx.GraphModule(model, graph)
+    # fx registers every tensor attribute the graph reads as a buffer; a plain tensor
+    # attribute of the model is no buffer of it, so it goes back to being a constant.
+    model_buffers = {name for name, _ in model.named_buffers()}
+    for name, tensor in list(gm.named_buffers()):
+        if name not in model_buffers:
+            owner_path, _, attr = name.rpartition(".")
+            owner = gm.get_submodule(owner_path)
+            del owner._buffers[attr]
+            setattr(owner, attr, tensor)
+    return gm
 
 
 def _capture_error(export_exc: BaseException, trace_exc: BaseException,
                    model: nn.Module) -> CaptureError:
     """A CaptureError that names the module and source line that failed, why, and a fix."""
-    names = {id(m): (n or "<root>") for n, m in model.named_modules()}
-    frame_info = None
+    names = {id(m): (n or "<root>", type(m).__name__) for n, m in model.named_modules()}
+    frame_info = module = None
     for frame, lineno in traceback.walk_tb(export_exc.__traceback__):
         code = frame.f_code
+        # The innermost module of the model on the stack, even inside torch (nn.Linear).
+        first = frame.f_locals.get(code.co_varnames[0]) if code.co_varnames else None
+        if isinstance(first, nn.Module) and id(first) in names:
+            module = names[id(first)]
         if "site-packages" in code.co_filename or "/torch/" in code.co_filename:
             continue
         if code.co_filename.endswith("autohybrid/capture.py"):
             continue
-        first = frame.f_locals.get(code.co_varnames[0]) if code.co_varnames else None
-        module = names.get(id(first)) if isinstance(first, nn.Module) else None
-        frame_info = (code.co_filename, lineno, code.co_name, module or frame_info and frame_info[3])
+        frame_info = (code.co_filename, lineno, code.co_name)
     reason = (str(export_exc).strip().splitlines() or [type(export_exc).__name__])[0]
-    where = "somewhere inside torch (no user frame in the traceback)"
+    where = f"module {module[0]} ({module[1]})" if module else "somewhere inside torch"
     if frame_info:
-        filename, lineno, func, module = frame_info
+        filename, lineno, func = frame_info
         line = linecache.getline(filename, lineno).strip()
-        where = f"module {module or '?'} ({func} at {filename}:{lineno}: `{line}`)"
+        called = f"called from {func} at {filename}:{lineno}: `{line}`"
+        where = f"{where}, {called}" if module else called
     hint = _hint(export_exc)
     return CaptureError(
         f"could not capture the model: torch.export failed in {where}\n"
@@ -269,7 +286,7 @@ def _hint(exc: BaseException) -> str:
     if "data-dependent" in text or "GuardOnDataDependent" in text:
         return ("replace Python control flow on tensor values (if x.sum() > 0, .item(), "
                 ".tolist()) with torch.where or torch.cond, so the graph does not depend on data")
-    if "shape" in text or "size" in text or "mat1 and mat2" in text:
+    if any(word in text for word in ("shape", "size", "mat1 and mat2", "dim")):
         return ("check that example_inputs (and example_targets) have the shapes the model "
                 "expects: dim 0 is the batch, the rest must match the model's layers")
     return "make forward traceable by torch.export (non-strict); see torch.export's docs"
@@ -289,6 +306,7 @@ def _from_exported(ep: ExportedProgram, model: nn.Module, method: str, num_input
         if spec.kind == InputKind.PARAMETER:
             params.append(strip(spec.target))
             node.meta[AH_ROLE] = "param"
+            node.meta[AH_PARAM] = canonical.get(params[-1], params[-1])
         elif spec.kind == InputKind.BUFFER:
             buffers.append(strip(spec.target))
             node.meta[AH_ROLE] = "buffer"

@@ -123,7 +123,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.out:
         plan.to_json(args.out)
     if args.json:
-        print(plan.to_json())
+        print(plan.to_json(), end="")  # the JSON text ends in a newline already
     else:
         print(format_plan(plan))
         print(f"(planned in {elapsed:.1f} s)")

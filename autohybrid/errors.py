@@ -15,6 +15,10 @@ class CaptureError(AutohybridError):
     """The model (with its loss) could not be captured as a graph."""
 
 
+class ModelError(AutohybridError, ValueError):
+    """A model preset or model configuration is invalid (unknown name, sizes that do not fit)."""
+
+
 class ClusterError(AutohybridError):
     """A cluster description is invalid (unknown preset, bad JSON field, wrong world size)."""
 

@@ -8,6 +8,8 @@ the checks that a graph still has the format. It imports nothing else from autoh
 from __future__ import annotations
 
 import hashlib
+import math
+import operator
 from typing import Any, Iterable
 
 import torch
@@ -19,6 +21,7 @@ MODULE_STACK = "nn_module_stack"  # {key: (module path, module type)} set by tor
 STACK_TRACE = "stack_trace"      # user source lines that produced the node
 AH_PASS = "ah_pass"              # name of the autohybrid pass that created the node
 AH_ROLE = "ah_role"              # on placeholders: "param" | "buffer" | "constant" | "input" | "target"
+AH_PARAM = "ah_param"            # on param placeholders: canonical name (tied parameters share it)
 
 #: Ops that only re-describe memory (no FLOPs, no new storage in the common case).
 VIEW_OPS = frozenset({
@@ -30,6 +33,17 @@ VIEW_OPS = frozenset({
     "aten.unflatten.int", "aten.chunk.default", "aten.unbind.int", "aten.contiguous.default",
     "aten.sym_size.int", "aten.sym_numel.default", "aten.view_as.default",
     "aten.expand_as.default", "aten.dropout.default",
+})
+
+#: Python functions torch.export leaves in a graph for arithmetic on symbolic sizes
+#: (e.g. `x.view(-1, x.size(-1))` gives `operator.mul` of two SymInts); as torch's own
+#: export verifier allows them.
+SYM_SIZE_OPS = frozenset({
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.floordiv,
+    operator.mod, operator.pow, operator.neg, operator.abs, operator.eq, operator.ne,
+    operator.lt, operator.le, operator.gt, operator.ge, operator.and_, operator.or_,
+    operator.not_, math.ceil, math.floor, math.trunc, round, torch.sym_int, torch.sym_float,
+    torch.sym_max, torch.sym_min, torch.sym_not, torch.sym_sqrt, torch.sym_sum, torch.sym_ite,
 })
 
 
@@ -75,7 +89,8 @@ def graph_hash(gm: fx.GraphModule) -> str:
     """A hash of the graph's structure: ops, argument wiring, shapes and dtypes.
 
     Equal for two captures of the same model code and configuration, different when a
-    layer, a size or a dtype changes. Independent of parameter values.
+    layer, a size or a dtype changes. Independent of parameter values and of the device
+    (a plan made on the meta device serves the model on CPU or on any GPU of any rank).
     """
     digest = hashlib.sha256()
     for node in gm.graph.nodes:
@@ -93,7 +108,9 @@ def _stable(obj: Any) -> Any:
         return tuple(_stable(o) for o in obj)
     if isinstance(obj, dict):
         return tuple(sorted((k, _stable(v)) for k, v in obj.items()))
-    if isinstance(obj, (torch.device, torch.dtype, torch.layout, torch.memory_format)):
+    if isinstance(obj, torch.device):  # e.g. arange(..., device=...): not part of the model
+        return "device"
+    if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
         return str(obj)
     if isinstance(obj, torch.SymInt):
         return str(obj)
@@ -123,12 +140,10 @@ def verify(gm: fx.GraphModule, pass_name: str = "capture") -> None:
 
     - the fx graph lints (def-before-use, one output);
     - every call_function target is an ATen/prim/autohybrid OpOverload or `operator.getitem`
-      (or an autohybrid op function);
+      (or an autohybrid op function, or arithmetic on symbolic sizes: `SYM_SIZE_OPS`);
     - every placeholder has a role and a fake value; every tensor-producing node has one;
     - every node a pass created says which pass (`meta["ah_pass"]`).
     """
-    import operator
-
     try:
         gm.graph.lint()
     except Exception as exc:  # fx raises RuntimeError with its own message
@@ -143,7 +158,7 @@ def verify(gm: fx.GraphModule, pass_name: str = "capture") -> None:
         elif node.op == "call_function":
             target = node.target
             ok = (isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator))
-                  or target is operator.getitem
+                  or target is operator.getitem or target in SYM_SIZE_OPS
                   or getattr(target, "__module__", "").startswith("autohybrid.ops"))
             if not ok:
                 raise GraphFormatError(f"{where}: target {target!r} is not an ATen or autohybrid op")

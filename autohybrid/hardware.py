@@ -31,6 +31,7 @@ Example
 from __future__ import annotations
 
 import difflib
+import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
@@ -258,14 +259,20 @@ LINKS: Mapping[str, LinkSpec] = {l.name: l for l in (
 
 
 def closest_name(name: str, known: Iterable[str]) -> str | None:
-    """The known name most like `name`: one it is a part of first, else difflib's pick."""
+    """The known name most like `name`: one it is a part of first, else the one sharing the
+    longest prefix, ties broken by difflib's similarity ratio."""
     known = sorted(known)
     lowered = name.lower()
     containing = [k for k in known if lowered and lowered in k.lower()]
     if containing:
         return containing[0]
-    close = difflib.get_close_matches(lowered, [k.lower() for k in known], n=1, cutoff=0.0)
-    return next((k for k in known if close and k.lower() == close[0]), None)
+
+    def prefix(k: str) -> int:
+        return len(os.path.commonprefix([lowered, k.lower()]))
+
+    scored = [(prefix(k), difflib.SequenceMatcher(None, lowered, k.lower()).ratio(), k)
+              for k in known]
+    return max(scored, key=lambda t: (t[0], t[1], [-ord(c) for c in t[2]]))[2] if scored else None
 
 
 #: The PCIe link of a PCIe-card variant of each GPU (used when the device name says PCIe).

@@ -227,10 +227,22 @@ class Constraints:
         _check_choice("Constraints.recompute", self.recompute, RECOMPUTE, optional=True)
         _check_choice("Constraints.collective_algorithm", self.collective_algorithm,
                       COLLECTIVE_ALGORITHMS, optional=True)
-        if self.zero is not None and self.zero not in (0, 1, 2, 3):
+        if self.zero is not None and (isinstance(self.zero, bool)
+                                      or self.zero not in (0, 1, 2, 3)):
             raise PlanError(f"Constraints.zero must be 0, 1, 2 or 3, got {self.zero!r}")
-        if self.bucket_mb is not None and not self.bucket_mb > 0:
-            raise PlanError(f"Constraints.bucket_mb must be > 0, got {self.bucket_mb!r}")
+        if self.bucket_mb is not None and (isinstance(self.bucket_mb, bool)
+                                           or not isinstance(self.bucket_mb, (int, float))
+                                           or not self.bucket_mb > 0):
+            raise PlanError(f"Constraints.bucket_mb must be a number > 0, got {self.bucket_mb!r}")
+        for name in ("sp", "collective_matmul"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise PlanError(f"Constraints.{name} must be True or False, got {value!r}")
+        if self.stage_boundaries is not None and (
+                not isinstance(self.stage_boundaries, (tuple, list))
+                or not all(isinstance(b, str) for b in self.stage_boundaries)):
+            raise PlanError(f"Constraints.stage_boundaries must be a tuple of node names, got "
+                            f"{self.stage_boundaries!r}")
 
     def pinned(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)
@@ -290,10 +302,8 @@ def _from_jsonable(cls: type, data: Any, path: str) -> Any:
         raise PlanError(f"unknown field {path}.{unknown[0]} (known: {', '.join(sorted(known))})")
     kwargs = {}
     for f in fields(cls):
-        if f.name not in data:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise PlanError(f"missing field {path}.{f.name}")
-            continue
+        if f.name not in data:  # to_json writes every field: a missing one is an edit gone wrong
+            raise PlanError(f"missing field {path}.{f.name}")
         kwargs[f.name] = _convert(hints[f.name], data[f.name], f"{path}.{f.name}")
     return cls(**kwargs)
 

@@ -16,7 +16,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ..graph import AH_ROLE, VAL, VIEW_OPS, op_name
+from ..graph import AH_PARAM, AH_ROLE, VAL, VIEW_OPS, op_name
 
 #: Documented efficiency constants of the roofline (fractions of peak). Calibration
 #: replaces them for a measured machine. Sources: hardware_and_formulas.md "practical
@@ -149,8 +149,9 @@ def graph_cost(gm: fx.GraphModule, dim_roles: dict[sympy.Symbol, str]) -> GraphC
     for node in gm.graph.nodes:
         if node.op == "placeholder" and node.meta.get(AH_ROLE) == "param":
             val = node.meta[VAL]
-            if node.name not in seen_params:
-                seen_params.add(node.name)
+            name = node.meta.get(AH_PARAM, node.name)  # a tied parameter counts once
+            if name not in seen_params:
+                seen_params.add(name)
                 param_count += val.numel()
                 param_bytes += val.numel() * val.element_size()
             continue

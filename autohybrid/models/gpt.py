@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ModelError
 from ._common import build_on, factory_kwargs, format_config, init_transformer_, residual_std_for
 
 
@@ -93,9 +94,9 @@ class GPT(nn.Module):
                  tie_embeddings: bool = True, ffn_hidden: int | None = None):
         super().__init__()
         if hidden % heads != 0:
-            raise ValueError(f"gpt: hidden={hidden} is not divisible by heads={heads}")
+            raise ModelError(f"gpt: hidden={hidden} is not divisible by heads={heads}")
         if min(layers, hidden, heads, vocab, seq) < 1:
-            raise ValueError("gpt: layers, hidden, heads, vocab and seq must all be >= 1, got "
+            raise ModelError("gpt: layers, hidden, heads, vocab and seq must all be >= 1, got "
                              f"{layers=}, {hidden=}, {heads=}, {vocab=}, {seq=}")
         ffn = 4 * hidden if ffn_hidden is None else int(ffn_hidden)
         self.config: dict[str, Any] = dict(

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ModelError
 from ._common import RMSNorm, build_on, factory_kwargs, format_config, init_transformer_
 
 
@@ -133,11 +134,11 @@ class Llama(nn.Module):
                  norm_eps: float = 1e-5, tie_embeddings: bool = False):
         super().__init__()
         if hidden % heads != 0:
-            raise ValueError(f"llama: hidden={hidden} is not divisible by heads={heads}")
+            raise ModelError(f"llama: hidden={hidden} is not divisible by heads={heads}")
         if kv_heads < 1 or heads % kv_heads != 0:
-            raise ValueError(f"llama: kv_heads={kv_heads} must divide heads={heads}")
+            raise ModelError(f"llama: kv_heads={kv_heads} must divide heads={heads}")
         if (hidden // heads) % 2 != 0:
-            raise ValueError(f"llama: head_dim={hidden // heads} must be even for RoPE")
+            raise ModelError(f"llama: head_dim={hidden // heads} must be even for RoPE")
         ffn = llama_ffn_hidden(hidden) if ffn_hidden is None else int(ffn_hidden)
         self.config: dict[str, Any] = dict(
             layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,

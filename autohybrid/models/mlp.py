@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..errors import ModelError
 from ._common import build_on, factory_kwargs, format_config, init_transformer_
 
 _ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
@@ -32,9 +33,9 @@ class MLP(nn.Module):
                  activation: str = "gelu"):
         super().__init__()
         if layers < 1:
-            raise ValueError(f"mlp: layers={layers} must be >= 1")
+            raise ModelError(f"mlp: layers={layers} must be >= 1")
         if activation not in _ACTIVATIONS:
-            raise ValueError(f"mlp: unknown activation {activation!r}; "
+            raise ModelError(f"mlp: unknown activation {activation!r}; "
                              f"known: {sorted(_ACTIVATIONS)}")
         self.config: dict[str, Any] = dict(in_features=in_features, hidden=hidden,
                                            out_features=out_features, layers=layers,

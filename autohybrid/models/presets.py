@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..errors import ModelError
 from .gpt import gpt
 from .llama import llama
 from .mlp import mlp
@@ -49,7 +50,7 @@ def build(kind: str, config: dict[str, Any], device: Any = None,
           dtype: torch.dtype | None = None) -> nn.Module:
     """Rebuild a model from its ``kind`` and ``config`` (e.g. ``model.kind, model.config``)."""
     if kind not in FACTORIES:
-        raise ValueError(f"unknown model kind {kind!r}; known kinds: {sorted(FACTORIES)}")
+        raise ModelError(f"unknown model kind {kind!r}; known kinds: {sorted(FACTORIES)}")
     return FACTORIES[kind](**config, device=device, dtype=dtype)
 
 
@@ -101,14 +102,14 @@ PRESETS: dict[str, ModelConfig] = {c.name: c for c in _ALL}
 def get_preset(name: str) -> ModelConfig:
     """The :class:`ModelConfig` called ``name`` (case-insensitive; ``_`` may stand for ``-``).
 
-    Raises ``ValueError`` naming the closest matches and listing every known preset.
+    Raises ``ModelError`` (a ``ValueError``) naming the closest matches and listing every known preset.
     """
     key = name.strip().lower().replace("_", "-") if isinstance(name, str) else name
     if key in PRESETS:
         return PRESETS[key]
     close = difflib.get_close_matches(str(key), list(PRESETS), n=3, cutoff=0.5)
     hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-    raise ValueError(f"unknown model preset {name!r}.{hint} "
+    raise ModelError(f"unknown model preset {name!r}.{hint} "
                      f"Known presets: {', '.join(PRESETS)}.")
 
 
@@ -134,7 +135,7 @@ def example_batch(name: str | nn.Module, batch: int, seq: int | None = None, see
         kind = getattr(name, "kind", None)
         cfg = dict(getattr(name, "config", {}))
         if kind not in FACTORIES:
-            raise ValueError(f"example_batch: {type(name).__name__} is not a zoo model "
+            raise ModelError(f"example_batch: {type(name).__name__} is not a zoo model "
                              f"(no .kind in {sorted(FACTORIES)})")
         default_image = None
     else:

@@ -25,7 +25,8 @@ import torch
 import torch.fx as fx
 
 from ..errors import PlanError
-from ..graph import AH_PASS, VAL, op_name, output_node, propagate_fake, source_line
+from ..graph import (AH_PASS, AH_ROLE, VAL, op_name, output_node, placeholders,
+                     propagate_fake, source_line)
 from .manager import PassContext
 
 aten = torch.ops.aten
@@ -53,20 +54,26 @@ def global_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     index = ctx.notes.get("loss_output_index", len(outputs) - 1)
     loss = outputs[index]
     reduction = _find_reduction(loss)
+    mixed = reduction is not None and not _has_batch_dim(reduction.args[0], _batch_symbols(gm))
     graph = gm.graph
     created: list[fx.Node] = []
-    if reduction is None:
+    if reduction is None or mixed:
         kind, denominator = "opaque", None
     else:
         kind, denominator = _rewrite(gm, reduction, created)
+        loss = out.args[0][index]  # the rewrite replaces the loss node when it is the mean
     if kind == "opaque":
         shards = ctx.plan.mesh.dp * ctx.plan.num_microbatches
+        why = (f" (its final reduction {reduction.name!r} reduces {reduction.args[0].name!r}, "
+               "which has no batch dimension left: samples were combined before it, e.g. "
+               "by .mean(0))") if mixed else ""
         if shards > 1:
             raise PlanError(
                 f"the loss ends in node {loss.name!r} ({op_name(loss)}, `{source_line(loss)}`), "
-                f"which autohybrid cannot split over {shards} batch shards exactly. Use a mean "
-                "or sum reduction (F.cross_entropy, F.nll_loss, F.mse_loss, .mean(), .sum(), ...),"
-                " possibly scaled by a constant, or run with dp=1 and one microbatch")
+                f"which autohybrid cannot split over {shards} batch shards exactly{why}. Use a "
+                "mean or sum reduction (F.cross_entropy, F.nll_loss, F.mse_loss, .mean(), .sum(),"
+                " ...) of per-sample values, possibly scaled by a constant, or run with dp=1 and "
+                "one microbatch")
     if denominator is None:
         with graph.inserting_before(out):
             denominator = graph.call_function(aten.scalar_tensor.default, (1.0,),
@@ -80,6 +87,30 @@ def global_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     out.args = (tuple(outputs),)
     ctx.notes["loss_kind"] = kind
     return gm
+
+
+def _batch_symbols(gm: fx.GraphModule) -> set:
+    """The symbols in dim 0 of the model inputs and targets: the batch."""
+    out: set = set()
+    for node in placeholders(gm):
+        val = node.meta.get(VAL)
+        if node.meta.get(AH_ROLE) in ("input", "target") and isinstance(val, torch.Tensor) \
+                and val.dim() > 0 and isinstance(val.shape[0], torch.SymInt):
+            out |= val.shape[0].node.expr.free_symbols
+    return out
+
+
+def _has_batch_dim(node: fx.Node, batch: set) -> bool:
+    """Whether `node`'s value still has a dim of the batch (True when that is unknown).
+
+    A final sum or mean splits over shards only if it reduces per-sample values; a tensor
+    without a batch dim (`x.mean(0)`) already combines samples of one shard.
+    """
+    val = node.meta.get(VAL)
+    if not batch or not isinstance(val, torch.Tensor):
+        return True
+    return any(isinstance(size, torch.SymInt) and size.node.expr.free_symbols & batch
+               for size in val.shape)
 
 
 def _find_reduction(loss: fx.Node) -> fx.Node | None:

@@ -127,9 +127,12 @@ class CompiledModel:
         if self._train is None:
             if not targets and self.loss_fn is not None:
                 raise AutohybridError("train_step needs targets when a loss_fn is given")
+            # Capture from this rank's first microbatch of the real batch (inputs and
+            # targets must agree in batch size for losses that check it).
             shard = self.executor.local_slice if not local else (lambda ts, w: list(ts))
-            micro = self.executor.microbatches(shard(targets, "targets"), "targets")[0]
-            self._train = capture(self.model, self.example_inputs, self.loss_fn, tuple(micro))
+            first = [self.executor.microbatches(shard(ts, what), what)[0]
+                     for ts, what in ((inputs, "inputs"), (targets, "targets"))]
+            self._train = capture(self.model, tuple(first[0]), self.loss_fn, tuple(first[1]))
             self._rewrite("train", self._train)
         if len(targets) != self._train.num_targets:
             raise AutohybridError(f"targets: expected {self._train.num_targets} tensor(s), got "

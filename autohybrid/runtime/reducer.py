@@ -6,6 +6,10 @@ counts ready gradients; when a bucket is complete its flattened gradients are al
 asynchronously while backward continues. `finish` waits, writes the sums back scaled by
 `1 / Σ denominators` (see passes/global_loss.py) and records, per bucket, when it was
 launched and how many gradients were still pending — the structural proof of overlap.
+A parameter without a gradient (frozen, or not used by the loss) has none on every rank,
+since every rank runs the same graph, and keeps none, as in eager (an optimizer must not
+see a zero gradient: weight decay would still move it); its bucket carries zeros so that
+all ranks issue the same collectives.
 """
 from __future__ import annotations
 
@@ -97,11 +101,8 @@ class GradReducer:
             offset = 0
             for p in bucket.params:
                 n = p.numel()
-                reduced = bucket.flat[offset:offset + n].view_as(p).mul_(scale)
-                if p.grad is None:
-                    p.grad = reduced.clone()
-                else:
-                    p.grad.copy_(reduced)
+                if p.grad is not None:  # frozen or unused: no gradient, as in eager
+                    p.grad.copy_(bucket.flat[offset:offset + n].view_as(p).mul_(scale))
                 offset += n
         self.active = False
 

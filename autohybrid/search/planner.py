@@ -1,30 +1,37 @@
-"""The planner: enumerate plan candidates, price each with the cost model, pick the best.
+"""The planner: enumerate layouts, price each with the cost model, pick the best Plan.
 
-Pure functions of (graph cost, cluster, options): the same inputs give the same Plan on
-every rank. Candidates whose features the runtime cannot execute are priced too (so
-`ah.plan` can show them) and marked; `ah.compile` passes `executable_only=True`.
+Pure functions of (model profile, cluster, options): the same inputs give the same Plan
+on every rank. The space is the mesh (tp inside a node, pp, dp), sequence parallelism,
+microbatch size, pipeline schedule (and interleaving depth), recomputation and ZeRO stage.
+Pruning: a slower feature (more recomputation, a higher ZeRO stage) is only tried when the
+faster one does not fit; the stage split is cached per microbatch shape. Candidates the
+runtime cannot execute are priced too (so `ah.plan` can show them) and marked;
+`ah.compile` passes `executable_only=True`.
 """
 from __future__ import annotations
 
 import hashlib
-import math
+import logging
+import sys
+import time
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, Iterator
 
-from ..cost import comm
-from ..cost.compute import GraphCost, model_flops_per_step, step_compute_time
-from ..cost.memory import activation_bytes, training_state, usable_bytes
+from ..cost.memory import usable_bytes
 from ..errors import NoPlanFitsError, NotExecutableError, PlanError
-from ..plan import Alternative, Constraints, MemoryBreakdown, Mesh, Plan, Prediction, RankPlacement
+from ..plan import Alternative, Constraints, Mesh, Plan, RankPlacement
+from .pricing import Layout, Priced, price
+from .space import ModelProfile
 
 #: Gradient bucket size when nothing pins it (PyTorch DDP's default).
 DEFAULT_BUCKET_MB = 25.0
 _GiB = 2**30
+log = logging.getLogger("autohybrid.search")
 
 
 @dataclass(frozen=True)
 class PlanRequest:
-    """Everything the search needs besides the graph cost and the cluster."""
+    """Everything the search needs besides the model profile and the cluster."""
 
     model_hash: str
     global_batch: int
@@ -39,210 +46,322 @@ class PlanRequest:
 
 @dataclass(frozen=True)
 class Candidate:
-    plan: Plan
-    fits: bool
+    layout: Layout
+    priced: Priced
     unsupported: tuple[str, ...]
 
     @property
     def executable(self) -> bool:
         return not self.unsupported
 
+    @property
+    def fits(self) -> bool:
+        return self.priced.fits
 
-def search(cost: GraphCost, cluster, request: PlanRequest,
+    @property
+    def step(self) -> float:
+        return self.priced.prediction.step_time_s
+
+    def summary(self) -> str:
+        lay = self.layout
+        sched = f" {lay.schedule}" + (f"×{lay.virtual_stages}" if lay.virtual_stages > 1 else "")
+        return (f"{lay.mesh.describe()} microbatch {lay.microbatch_size}×{lay.num_microbatches}"
+                f"{sched if lay.mesh.pp > 1 else ''} zero{lay.zero} recompute={lay.recompute}")
+
+
+def search(profile: ModelProfile, cluster, request: PlanRequest,
            unsupported: Callable[[Plan], list[str]], executable_only: bool) -> Plan:
     """The fastest fitting plan (executable ones only when asked), with alternatives."""
-    try:
-        candidates = [_price(plan, cost, cluster, request, unsupported)
-                      for plan in _enumerate(cluster, request)]
-    except _Indivisible as exc:
-        raise _indivisible_error(exc.dp, cost, cluster, request, unsupported) from None
-    if not candidates:
-        raise PlanError("no candidate plan satisfies the constraints "
-                        f"{request.constraints.pinned()} on {cluster.describe()}")
+    start = time.perf_counter()
+    checker = _Executability(cluster, request, unsupported)
     if executable_only:
-        runnable = [c for c in candidates if c.executable]
-        if not runnable:
-            reasons = sorted({r for c in candidates for r in c.unsupported})
+        _refuse_pinned_features(request.constraints, unsupported)
+    candidates: list[Candidate] = []
+    skipped: list[str] = []
+    progress = _Progress(start)
+    cache: dict = {}
+    for base in _layouts(profile, cluster, request, skipped):
+        for layout in _slower_variants(base, request.constraints):
+            reasons = checker.reasons(layout, profile)
+            if executable_only and reasons:
+                skipped.append("; ".join(reasons))
+                continue
+            priced = price(profile, cluster, layout, request.seq, request.dtype,
+                           request.graph_dtype_bytes, request.optimizer, request.global_batch,
+                           cache)
+            candidates.append(Candidate(layout, priced, tuple(reasons)))
+            progress.tick(len(candidates))
+            if priced.fits:
+                break  # more recomputation or a higher ZeRO stage only adds time
+    progress.done()
+    if not candidates:
+        if executable_only and skipped:
+            common = sorted(set.intersection(*(set(r.split("; ")) for r in skipped)))
             raise NotExecutableError("the constraints ask for features the runtime cannot "
-                                     "execute yet: " + "; ".join(reasons))
-        candidates = runnable
+                                     "execute yet: " + "; ".join(common or sorted(set(skipped))))
+        raise PlanError("no candidate plan satisfies the constraints "
+                        f"{request.constraints.pinned()} on {cluster.describe()}: "
+                        + ("; ".join(dict.fromkeys(skipped)) or "empty search space"))
     fitting = [c for c in candidates if c.fits]
     if not fitting:
-        raise NoPlanFitsError(_no_fit_message(candidates, cluster))
+        raise NoPlanFitsError(_no_fit_message(candidates, cluster, skipped))
     best = min(fitting, key=_rank_key)
-    alternatives = _alternatives(best, candidates)
-    plan = replace(best.plan, alternatives=alternatives, executable=best.executable,
-                   not_executable_because=best.unsupported)
+    plan = _make_plan(best, profile, cluster, request, checker.placement(best.layout.mesh))
+    plan = replace(plan, alternatives=_alternatives(best, candidates))
+    log.info("priced %d candidates (%d fit) in %.3f s; chose %s", len(candidates),
+             len(fitting), time.perf_counter() - start, best.summary())
     return plan
 
 
 def _rank_key(c: Candidate) -> tuple:
-    # Prefer executable plans on ties, then the fastest, then the one using less memory.
-    return (not c.executable, round(c.plan.predicted.step_time_s, 12),
-            c.plan.predicted.memory_per_rank_bytes, c.plan.summary())
+    # Executable first on ties, then the fastest, then less memory, then a stable name.
+    return (round(c.step, 12), not c.executable,
+            c.priced.prediction.memory_per_rank_bytes, c.summary())
 
 
-def _enumerate(cluster, request: PlanRequest):
+# ---------------------------------------------------------------------- enumeration
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _layouts(profile: ModelProfile, cluster, request: PlanRequest,
+             skipped: list[str]) -> Iterator[Layout]:
     pinned = request.constraints
     world = cluster.world_size
-    tp, pp = pinned.tp or 1, pinned.pp or 1
-    if tp != 1 or pp != 1 or pinned.sp:
-        raise NotExecutableError(
-            f"Constraints(tp={pinned.tp}, pp={pinned.pp}, sp={pinned.sp}): the planner does not "
-            "plan tensor, sequence or pipeline parallelism yet (data parallelism only); "
-            "leave tp, pp and sp unset")
-    dp = world // (tp * pp)
-    if pinned.dp is not None and pinned.dp != dp:
-        raise PlanError(f"Constraints(dp={pinned.dp}) × tp {tp} × pp {pp} != world size {world} "
-                        f"of {cluster.describe()}; use dp={dp}")
-    if request.global_batch % dp:
-        raise _Indivisible(dp)
-    local = request.global_batch // dp
-    mesh = Mesh(pp=pp, dp=dp, tp=tp)
-    placement = tuple(RankPlacement(r, *cluster.rank_location(r)) for r in range(world))
-    cluster_hash = hashlib.sha256(cluster.to_json().encode()).hexdigest()[:16]
-    zeros = [pinned.zero] if pinned.zero is not None else [0, 1, 2, 3]
-    recomputes = [pinned.recompute] if pinned.recompute is not None else ["none"]
-    for count in _microbatch_counts(local, pinned):
-        for zero in zeros:
-            for recompute in recomputes:
-                yield Plan(
-                    model_hash=request.model_hash, cluster=cluster.describe(),
-                    cluster_hash=cluster_hash, mesh=mesh, placement=placement,
-                    global_batch=request.global_batch, microbatch_size=local // count,
-                    num_microbatches=count, dtype=request.dtype, optimizer=request.optimizer,
-                    schedule=pinned.schedule or "none", virtual_stages=pinned.virtual_stages or 1,
-                    stage_boundaries=tuple(pinned.stage_boundaries or ()), recompute=recompute,
-                    zero=zero, bucket_mb=pinned.bucket_mb or DEFAULT_BUCKET_MB,
-                    collective_algorithm=pinned.collective_algorithm or "flat",
-                    collective_matmul=bool(pinned.collective_matmul),
-                    model_ref=request.model_ref)
+    blocks = len(profile.layers)
+    bucket = pinned.bucket_mb or DEFAULT_BUCKET_MB
+    for tp in _tp_degrees(profile, cluster, pinned, skipped):
+        if world % tp:
+            skipped.append(f"tp={tp} does not divide the world size {world}")
+            continue
+        for pp in ([pinned.pp] if pinned.pp else divisors(world // tp)):
+            if (world // tp) % pp or pp > blocks:
+                skipped.append(f"pp={pp} does not fit {world // tp} ranks / {blocks} layers")
+                continue
+            dp = world // (tp * pp)
+            if pinned.dp is not None and pinned.dp != dp:
+                skipped.append(f"dp={pinned.dp} × tp {tp} × pp {pp} != world size {world}")
+                continue
+            if request.global_batch % dp:
+                skipped.append(f"global batch {request.global_batch} does not split over "
+                               f"dp={dp} ranks (use a multiple of {dp})")
+                continue
+            local = request.global_batch // dp
+            for sp in _sp_choices(tp, pinned):
+                mesh = Mesh(pp=pp, dp=dp, tp=tp, sp=sp)
+                for micro in _microbatch_sizes(local, pinned, skipped):
+                    count = local // micro
+                    for schedule, virtual in _schedules(pp, count, blocks, pinned):
+                        yield Layout(mesh, micro, count, schedule, virtual, "none", 0, bucket)
 
 
-class _Indivisible(PlanError):
-    """The global batch does not split over the data-parallel ranks (search reports it)."""
+def _tp_degrees(profile: ModelProfile, cluster, pinned: Constraints,
+                skipped: list[str]) -> list[int]:
+    if pinned.tp:
+        return [pinned.tp]
+    out = []
+    for tp in divisors(cluster.world_size):
+        if tp > cluster.devices_per_node:
+            continue  # tp across nodes is never competitive; pin it to see it priced
+        if profile.heads and profile.heads % tp:
+            skipped.append(f"tp={tp} does not divide {profile.heads} attention heads")
+            continue
+        out.append(tp)
+    return out
 
-    def __init__(self, dp: int):
-        super().__init__(dp)
-        self.dp = dp
+
+def _sp_choices(tp: int, pinned: Constraints) -> list[bool]:
+    if pinned.sp is not None:
+        return [pinned.sp]
+    return [False, True] if tp > 1 else [False]
 
 
-def _microbatch_counts(local: int, pinned: Constraints) -> list[int]:
+def _microbatch_sizes(local: int, pinned: Constraints, skipped: list[str]) -> list[int]:
     if pinned.microbatch_size is not None:
-        if local % pinned.microbatch_size:
-            raise PlanError(f"Constraints(microbatch_size={pinned.microbatch_size}) does not "
-                            f"divide the per-rank batch {local}")
-        counts = [local // pinned.microbatch_size]
-        if pinned.num_microbatches not in (None, counts[0]):
-            raise PlanError(f"Constraints(microbatch_size={pinned.microbatch_size}, "
-                            f"num_microbatches={pinned.num_microbatches}) give "
-                            f"{pinned.microbatch_size * pinned.num_microbatches} samples per "
-                            f"rank, but the per-rank batch is {local}")
-        return counts
+        if local % pinned.microbatch_size or (
+                pinned.num_microbatches and pinned.num_microbatches * pinned.microbatch_size != local):
+            skipped.append(f"microbatch_size={pinned.microbatch_size} × num_microbatches="
+                           f"{pinned.num_microbatches} does not make the per-rank batch {local}")
+            return []
+        return [pinned.microbatch_size]
     if pinned.num_microbatches is not None:
         if local % pinned.num_microbatches:
-            raise PlanError(f"Constraints(num_microbatches={pinned.num_microbatches}) does not "
-                            f"divide the per-rank batch {local}")
-        return [pinned.num_microbatches]
-    return [k for k in range(1, local + 1) if local % k == 0]
+            skipped.append(f"num_microbatches={pinned.num_microbatches} does not divide the "
+                           f"per-rank batch {local}")
+            return []
+        return [local // pinned.num_microbatches]
+    return sorted(divisors(local), reverse=True)
 
 
-def _price(plan: Plan, cost: GraphCost, cluster, request: PlanRequest,
-           unsupported: Callable[[Plan], list[str]]) -> Candidate:
-    mesh, device = plan.mesh, cluster.device
-    state = training_state(cost.param_count, plan.dtype, plan.optimizer, plan.zero, mesh.dp,
-                           mesh.tp, mesh.pp)
-    saved = cost.activation_bytes(plan.microbatch_size, request.seq)
-    memory = replace(state, activations=activation_bytes(saved, 1, request.graph_dtype_bytes,
-                                                         plan.dtype))
-    peak = device.peak_flops.get(plan.dtype) or max(device.peak_flops.values())
-    micro_s = step_compute_time(cost, plan.microbatch_size, request.seq, peak,
-                                device.memory_bandwidth)
-    compute_s = micro_s * plan.num_microbatches
-    comm_s, exposed_s = _gradient_sync(plan, cost, cluster, micro_s)
-    step_s = compute_s + exposed_s
-    flops = model_flops_per_step(cost, plan.global_batch, request.seq)
-    mfu = flops / (step_s * cluster.world_size * peak) if step_s > 0 else 0.0
-    predicted = Prediction(step_time_s=step_s, compute_s=compute_s, comm_s=comm_s,
-                           exposed_comm_s=exposed_s, bubble_fraction=0.0, mfu=mfu,
-                           memory_per_rank_bytes=memory.total,
-                           device_memory_bytes=device.memory_bytes, memory=memory)
-    plan = replace(plan, predicted=predicted)
-    reasons = list(unsupported(plan))
-    if request.has_batch_norm and plan.num_microbatches > 1:
-        reasons.append("microbatching a model with BatchNorm changes its batch statistics")
-    fits = memory.total <= usable_bytes(device.memory_bytes)
-    return Candidate(plan=plan, fits=fits, unsupported=tuple(reasons))
+def _schedules(pp: int, count: int, blocks: int, pinned: Constraints):
+    if pp == 1:
+        if pinned.schedule not in (None, "none") or (pinned.virtual_stages or 1) > 1:
+            yield pinned.schedule or "none", pinned.virtual_stages or 1  # priced as pp=1
+        else:
+            yield "none", 1
+        return
+    names = [pinned.schedule] if pinned.schedule else ["1f1b", "interleaved", "zero-bubble",
+                                                       "gpipe"]
+    for name in names:
+        if name in ("1f1b", "zero-bubble", "interleaved") and count < pp:
+            continue  # steady state needs at least one microbatch per stage
+        if name == "interleaved":
+            chunks = [pinned.virtual_stages] if pinned.virtual_stages else [2, 4]
+            for v in chunks:
+                if blocks >= pp * v and count % pp == 0:
+                    yield name, v
+        else:
+            yield name, 1
 
 
-def _gradient_sync(plan: Plan, cost: GraphCost, cluster, micro_s: float) -> tuple[float, float]:
-    """Time of the gradient all-reduce and the part of it backward does not hide."""
-    dp_ranks = [plan.mesh.coords(r) for r in range(plan.world_size)]
-    ranks = [r for r, (p, _, t) in enumerate(dp_ranks) if p == 0 and t == 0]
-    grad_bytes = cost.param_count / (plan.mesh.tp * plan.mesh.pp) * _width(plan.dtype)
-    if plan.zero >= 2:
-        comm_s = comm.reduce_scatter(cluster, ranks, grad_bytes)
-        comm_s += comm.all_gather(cluster, ranks, grad_bytes) if plan.zero == 3 else 0.0
+def _slower_variants(base: Layout, pinned: Constraints) -> Iterator[Layout]:
+    """`base` with recompute none→selective→full × ZeRO 0→3, fastest first."""
+    recomputes = [pinned.recompute] if pinned.recompute else ["none", "selective", "full"]
+    zeros = [pinned.zero] if pinned.zero is not None else [0, 1, 2, 3]
+    if base.mesh.dp == 1 and pinned.zero is None:
+        zeros = [0]  # nothing to shard the state over
+    for recompute in recomputes:
+        for zero in zeros:
+            yield replace(base, recompute=recompute, zero=zero)
+
+
+def _refuse_pinned_features(pinned: Constraints,
+                            unsupported: Callable[[Plan], list[str]]) -> None:
+    """NotExecutableError when a constraint itself pins what the runtime cannot run."""
+    mesh = Mesh(pp=pinned.pp or 1, tp=pinned.tp or 1, sp=bool(pinned.sp))
+    probe = Plan(model_hash="", cluster="", cluster_hash="", mesh=mesh,
+                 placement=tuple(RankPlacement(r, 0, r) for r in range(mesh.world_size)),
+                 global_batch=1, microbatch_size=1, num_microbatches=1,
+                 schedule=pinned.schedule or "none", virtual_stages=pinned.virtual_stages or 1,
+                 stage_boundaries=tuple(pinned.stage_boundaries or ()),
+                 recompute=pinned.recompute or "none", zero=pinned.zero or 0,
+                 collective_algorithm=pinned.collective_algorithm or "flat",
+                 collective_matmul=bool(pinned.collective_matmul))
+    reasons = unsupported(probe)
+    if reasons:
+        raise NotExecutableError("the constraints ask for features the runtime cannot "
+                                 "execute yet: " + "; ".join(reasons))
+
+
+# ---------------------------------------------------------------------- plans
+class _Executability:
+    """`unsupported(plan)` per feature combination, with one placement table per mesh."""
+
+    def __init__(self, cluster, request: PlanRequest, unsupported: Callable[[Plan], list[str]]):
+        self.cluster, self.request, self.unsupported = cluster, request, unsupported
+        self._reasons: dict[tuple, list[str]] = {}
+        self._placements: dict[Mesh, tuple[RankPlacement, ...]] = {}
+        self.cluster_hash = hashlib.sha256(cluster.to_json().encode()).hexdigest()[:16]
+
+    def placement(self, mesh: Mesh) -> tuple[RankPlacement, ...]:
+        if mesh not in self._placements:
+            self._placements[mesh] = tuple(RankPlacement(r, *self.cluster.rank_location(r))
+                                           for r in range(mesh.world_size))
+        return self._placements[mesh]
+
+    def reasons(self, layout: Layout, profile: ModelProfile) -> list[str]:
+        key = (layout.mesh, layout.schedule, layout.virtual_stages, layout.recompute,
+               layout.zero, layout.num_microbatches > 1)
+        if key not in self._reasons:
+            plan = _plan_for(layout, self.request, self.cluster, self.cluster_hash,
+                             self.placement(layout.mesh), ())
+            reasons = list(self.unsupported(plan))
+            if self.request.has_batch_norm and layout.num_microbatches > 1:
+                reasons.append("microbatching a model with BatchNorm changes its statistics")
+            self._reasons[key] = reasons
+        return self._reasons[key]
+
+
+def _plan_for(layout: Layout, request: PlanRequest, cluster, cluster_hash: str,
+              placement, boundaries: tuple[str, ...]) -> Plan:
+    pinned = request.constraints
+    return Plan(
+        model_hash=request.model_hash, cluster=cluster.describe(), cluster_hash=cluster_hash,
+        mesh=layout.mesh, placement=placement, global_batch=request.global_batch,
+        microbatch_size=layout.microbatch_size, num_microbatches=layout.num_microbatches,
+        dtype=request.dtype, optimizer=request.optimizer, schedule=layout.schedule,
+        virtual_stages=layout.virtual_stages, stage_boundaries=boundaries,
+        recompute=layout.recompute, zero=layout.zero, bucket_mb=layout.bucket_mb,
+        collective_algorithm=pinned.collective_algorithm or "flat",
+        collective_matmul=bool(pinned.collective_matmul), model_ref=request.model_ref)
+
+
+def _make_plan(best: Candidate, profile: ModelProfile, cluster, request: PlanRequest,
+               placement) -> Plan:
+    pinned = request.constraints
+    if pinned.stage_boundaries:
+        boundaries = tuple(pinned.stage_boundaries)
     else:
-        comm_s = comm.all_reduce(cluster, ranks, grad_bytes)
-    buckets = max(1, math.ceil(grad_bytes / (plan.bucket_mb * 2**20)))
-    backward_s = micro_s * 2 / 3
-    exposed = max(comm_s - backward_s * (buckets - 1) / buckets, comm_s / buckets)
-    return comm_s, exposed
-
-
-def _width(dtype: str) -> int:
-    return {"float64": 8, "float32": 4}.get(dtype, 2)
+        boundaries = tuple(profile.layers[s].name for s in best.priced.stage_starts[1:])
+    cluster_hash = hashlib.sha256(cluster.to_json().encode()).hexdigest()[:16]
+    plan = _plan_for(best.layout, request, cluster, cluster_hash, placement, boundaries)
+    return replace(plan, predicted=best.priced.prediction, executable=best.executable,
+                   not_executable_because=best.unsupported)
 
 
 def _alternatives(best: Candidate, candidates: list[Candidate]) -> tuple[Alternative, ...]:
-    out, seen = [], {best.plan.summary()}
-    base = best.plan.predicted.step_time_s
-    for c in sorted(candidates, key=_rank_key):
-        summary = c.plan.summary()
-        if summary in seen:
-            continue
-        seen.add(summary)
-        p = c.plan.predicted
+    """The best candidate of every other mesh shape / schedule, with why it lost."""
+    by_shape: dict[tuple, Candidate] = {}
+    for c in sorted(candidates, key=lambda c: (not c.fits, _rank_key(c))):
+        key = (c.layout.mesh, c.layout.schedule if c.layout.mesh.pp > 1 else "none")
+        by_shape.setdefault(key, c)
+    out = []
+    base = best.step
+    others = [c for c in by_shape.values() if c is not best]
+    # the faster layouts that did not fit come first: they say why the plan is not faster
+    faster = [c for c in candidates if not c.fits and c.step < base]
+    chosen = sorted(faster, key=_rank_key)[:2]
+    chosen += sorted(others, key=lambda c: (not c.fits, _rank_key(c)))[:8 - len(chosen)]
+    for c in chosen:
+        p = c.priced.prediction
         if not c.fits:
-            reason = (f"does not fit: {p.memory_per_rank_bytes / _GiB:.1f} GiB > "
-                      f"{usable_bytes(p.device_memory_bytes) / _GiB:.1f} GiB usable per rank")
-        elif not c.executable:
-            reason = "not executable yet: " + "; ".join(c.unsupported)
+            reason = (f"does not fit: {_gib(p.memory_per_rank_bytes)} GiB > "
+                      f"{_gib(usable_bytes(p.device_memory_bytes))} GiB usable per rank")
         else:
-            delta = (p.step_time_s / base - 1) * 100 if base else 0.0
+            delta = (c.step / base - 1) * 100 if base else 0.0
             reason = f"{delta:+.1f} % step time"
-        out.append(Alternative(summary=summary, step_time_s=p.step_time_s,
+            if not c.executable:
+                reason += "; not executable yet: " + "; ".join(c.unsupported)
+        out.append(Alternative(summary=c.summary(), step_time_s=c.step,
                                memory_per_rank_bytes=p.memory_per_rank_bytes, fits=c.fits,
                                executable=c.executable, reason=reason))
-        if len(out) == 8:
-            break
     return tuple(out)
 
 
-def _indivisible_error(dp: int, cost: GraphCost, cluster, request: PlanRequest,
-                       unsupported: Callable[[Plan], list[str]]) -> PlanError:
-    """Say the batch does not split and, priced at one sample per rank, what memory needs."""
-    head = (f"global batch {request.global_batch} does not split over dp={dp} ranks (tensor "
-            "and pipeline parallelism are not planned yet, so every rank is data-parallel)")
-    probe_request = replace(request, global_batch=dp)
-    probes = [_price(p, cost, cluster, probe_request, unsupported)
-              for p in _enumerate(cluster, probe_request)]
-    if any(c.fits for c in probes):
-        return PlanError(f"{head}; use a global batch that is a multiple of {dp}")
-    return NoPlanFitsError(f"{head}, and even at one sample per rank: "
-                           + _no_fit_message(probes, cluster))
+def _gib(nbytes: float) -> str:
+    """Bytes in GiB with three significant digits (small devices and models stay readable)."""
+    return f"{nbytes / _GiB:.3g}"
 
 
-def _no_fit_message(candidates: list[Candidate], cluster) -> str:
-    smallest = min(candidates, key=lambda c: c.plan.predicted.memory_per_rank_bytes)
-    m: MemoryBreakdown = smallest.plan.predicted.memory
+def _no_fit_message(candidates: list[Candidate], cluster, skipped: list[str]) -> str:
+    smallest = min(candidates, key=lambda c: c.priced.prediction.memory_per_rank_bytes)
+    m = smallest.priced.prediction.memory
     usable = usable_bytes(cluster.device.memory_bytes)
+    also = ""
+    if skipped:
+        also = " (also excluded: " + "; ".join(list(dict.fromkeys(skipped))[:3]) + ")"
     return (f"no plan fits in device memory on {cluster.describe()}: the smallest candidate "
-            f"({smallest.plan.summary().split(' |')[0]}) needs "
-            f"{m.total / _GiB:.1f} GiB per rank (parameters {m.params / _GiB:.1f}, gradients "
-            f"{m.grads / _GiB:.1f}, optimizer state {m.optimizer / _GiB:.1f}, activations "
-            f"{m.activations / _GiB:.1f} GiB) > {usable / _GiB:.1f} GiB usable of "
-            f"{cluster.device.memory_bytes / _GiB:.1f} GiB per {cluster.device.name}. "
-            "Use more devices, a smaller global batch, or constraints with tensor/pipeline "
-            "parallelism once the planner supports them.")
+            f"({smallest.summary()}) needs {_gib(m.total)} GiB per rank (parameters "
+            f"{_gib(m.params)}, gradients {_gib(m.grads)}, optimizer state "
+            f"{_gib(m.optimizer)}, activations {_gib(m.activations)} GiB) > {_gib(usable)} GiB "
+            f"usable of {_gib(cluster.device.memory_bytes)} GiB per {cluster.device.name}"
+            f"{also}. Use more devices, a smaller global batch or microbatch, or pin "
+            "constraints (tp, pp, zero, recompute).")
+
+
+class _Progress:
+    """A one-line progress report on stderr for searches longer than two seconds."""
+
+    def __init__(self, start: float):
+        self.start, self.shown = start, False
+
+    def tick(self, count: int) -> None:
+        elapsed = time.perf_counter() - self.start
+        if elapsed > 2.0 and count % 200 == 0 and sys.stderr.isatty():
+            sys.stderr.write(f"\rautohybrid: searching plans… {count} priced, {elapsed:.1f} s")
+            sys.stderr.flush()
+            self.shown = True
+
+    def done(self) -> None:
+        if self.shown:
+            sys.stderr.write("\n")

@@ -1,0 +1,222 @@
+"""Price one fully specified layout: stage split, step time and memory per rank.
+
+A layout is (pp, dp, tp, sp, microbatch size, microbatches, schedule, virtual stages,
+recompute, ZeRO). The model's layers (search/space.py) are costed once per microbatch
+shape; stages are cut by search/stages.py on those costs; the step time follows the
+schedule formulas of `shared/reference/hardware_and_formulas.md`:
+
+    step = (m + bubble) · slowest stage  +  pipeline p2p  +  exposed dp gradient sync
+           + optimizer update
+
+with bubble p−1 (GPipe, 1F1B), (p−1)/v (interleaved) or (p−1)·t_f/t (zero-bubble, ZB-H1).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..cost import comm
+from ..cost.compute import LAUNCH_OVERHEAD_S, MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
+from ..cost.memory import dtype_bytes, state_bytes_per_param, usable_bytes
+from ..plan import MemoryBreakdown, Mesh, Prediction
+from .space import LayerProfile, ModelProfile, local_params
+from .stages import partition
+
+#: Update of the optimizer: bytes touched per parameter (read/write weights, grads, states).
+OPTIMIZER_BYTES_PER_PARAM = 16.0
+
+
+@dataclass(frozen=True)
+class Layout:
+    mesh: Mesh
+    microbatch_size: int
+    num_microbatches: int
+    schedule: str = "none"
+    virtual_stages: int = 1
+    recompute: str = "none"
+    zero: int = 0
+    bucket_mb: float = 25.0
+
+
+@dataclass(frozen=True)
+class Priced:
+    prediction: Prediction
+    stage_starts: tuple[int, ...]
+    fits: bool
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    forward: float
+    backward: float
+    recompute: float
+    tp_comm: float
+    saved: float          # bytes kept for backward per microbatch
+    recompute_saved: float  # bytes kept with full recomputation (the layer's input)
+
+
+def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
+                dtype: str, graph_dtype_bytes: int) -> LayerTimes:
+    mesh, b = layout.mesh, layout.microbatch_size
+    t, sp = mesh.tp, mesh.sp
+    v = layer.values(b, seq)
+    scale = dtype_bytes(dtype) / graph_dtype_bytes
+    device = cluster.device
+    peak = device.peak_flops.get(dtype) or max(device.peak_flops.values())
+    replicated_share = 1.0 / t if sp else 1.0
+    matmul = (v["mm_sharded"] / t + v["mm_replicated"]) / (peak * MATMUL_EFFICIENCY)
+    moved = (v["bytes_sharded"] / t + v["bytes_replicated"] * replicated_share) * scale
+    other = (v["other_sharded"] / t + v["other_replicated"] * replicated_share) / peak
+    forward = matmul + max(moved / (device.memory_bandwidth * MEMORY_EFFICIENCY), other) \
+        + layer.num_ops * LAUNCH_OVERHEAD_S
+    recompute = {"none": 0.0, "full": forward,
+                 "selective": v["attention_flops"] / t / (peak * MATMUL_EFFICIENCY)}[layout.recompute]
+    tp_ranks = list(range(t))
+    tp_comm = 0.0
+    for c in layer.collectives if t > 1 else ():
+        nbytes = c.nbytes(b, seq) * scale
+        if c.kind == "all_reduce":
+            time = comm.all_reduce(cluster, tp_ranks, nbytes)
+        else:
+            time = comm.all_gather(cluster, tp_ranks, nbytes)
+        # full recomputation runs the forward, its collectives included, a second time
+        repeats = 2 if c.direction == "forward" and layout.recompute == "full" else 1
+        tp_comm += repeats * time
+    saved = (v["saved_sharded"] / t + v["saved_replicated"] * replicated_share) * scale
+    if layout.recompute == "selective":
+        saved -= v["attention_saved"] / t * scale
+    kept = v["input_bytes"] * replicated_share * scale
+    return LayerTimes(forward, 2 * forward, recompute, tp_comm, saved, kept)
+
+
+def in_flight(layout: Layout) -> float:
+    """Microbatches whose activations stage 0 holds at once under the schedule."""
+    p, m, v = layout.mesh.pp, layout.num_microbatches, layout.virtual_stages
+    if p == 1:
+        return 1.0
+    if layout.schedule == "gpipe":
+        return float(m)
+    if layout.schedule == "interleaved":
+        return min(float(m), p * (1 + (p - 1) / (p * v)))
+    return float(min(m, p))
+
+
+def bubble(layout: Layout, forward_share: float) -> float:
+    """Idle time of the pipeline, in units of one microbatch's stage time."""
+    p, v = layout.mesh.pp, layout.virtual_stages
+    if p == 1:
+        return 0.0
+    if layout.schedule == "interleaved":
+        return (p - 1) / v
+    if layout.schedule == "zero-bubble":
+        return (p - 1) * forward_share
+    return float(p - 1)
+
+
+def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype: str,
+          graph_dtype_bytes: int, optimizer: str, global_batch: int,
+          cache: dict | None = None) -> Priced:
+    """Predict `layout`; `cache` (any dict, kept across calls) reuses layer times and splits."""
+    cache = {} if cache is None else cache
+    mesh = layout.mesh
+    shape = (layout.microbatch_size, mesh.tp, mesh.sp, layout.recompute)
+    times = []
+    for layer in profile.layers:
+        key = (layer.signature, *shape)
+        if key not in cache:
+            cache[key] = layer_times(layer, cluster, layout, seq, dtype, graph_dtype_bytes)
+        times.append(cache[key])
+    per_layer = [x.forward + x.backward + x.recompute + x.tp_comm for x in times]
+    split_key = ("split", mesh.pp, *shape)
+    if split_key not in cache:
+        cache[split_key] = partition(per_layer, mesh.pp)
+    starts, slowest = cache[split_key]
+    bounds = [*starts, len(times)]
+    stages = [times[bounds[k]:bounds[k + 1]] for k in range(mesh.pp)]
+    layers = [profile.layers[bounds[k]:bounds[k + 1]] for k in range(mesh.pp)]
+    forward_share = max(sum(x.forward for x in s) for s in stages) / slowest if slowest else 0.0
+    m = layout.num_microbatches
+    compute = (m + bubble(layout, forward_share)) * slowest
+    activation = _boundary_bytes(times, bounds, layout)
+    p2p = 0.0
+    if mesh.pp > 1:
+        pair = [0, mesh.dp * mesh.tp]  # neighbouring stages' ranks (placement order)
+        hops = (m + mesh.pp - 1) * layout.virtual_stages
+        p2p = 2 * hops * comm.send_recv(cluster, pair, activation)
+    memories, grad_sync, exposed = [], 0.0, 0.0
+    for k in range(mesh.pp):
+        memory = _stage_memory(layers[k], stages[k], layout, dtype, optimizer, k)
+        memories.append(memory)
+        sync = _dp_sync(cluster, layout, layers[k], dtype)
+        backward = sum(x.backward for x in stages[k])
+        buckets = max(1, math.ceil(_grad_bytes(layers[k], layout, dtype) /
+                                   (layout.bucket_mb * 2**20)))
+        hidden = backward * (buckets - 1) / buckets
+        grad_sync = max(grad_sync, sync)
+        exposed = max(exposed, max(sync - hidden, sync / buckets) if sync else 0.0)
+    worst = max(memories, key=lambda mem: mem.total)
+    params_local = max(local_params(ls, mesh.tp) for ls in layers)
+    update = params_local / (mesh.dp if layout.zero else 1) * OPTIMIZER_BYTES_PER_PARAM \
+        / (cluster.device.memory_bandwidth * MEMORY_EFFICIENCY)
+    step = compute + p2p + exposed + update
+    tp_total = m * max(sum(x.tp_comm for x in s) for s in stages)
+    peak = cluster.device.peak_flops.get(dtype) or max(cluster.device.peak_flops.values())
+    if "model_flops" not in cache:
+        cache["model_flops"] = 3 * sum(
+            v["mm_sharded"] + v["mm_replicated"] + v["other_sharded"] + v["other_replicated"]
+            for v in (l.values(1, seq) for l in profile.layers))
+    model_flops = cache["model_flops"] * global_batch
+    prediction = Prediction(
+        step_time_s=step, compute_s=compute - m * max(sum(x.tp_comm for x in s) for s in stages),
+        comm_s=tp_total + p2p + grad_sync, exposed_comm_s=tp_total + p2p + exposed,
+        bubble_fraction=(bubble(layout, forward_share) * slowest / compute) if compute else 0.0,
+        mfu=model_flops / (step * mesh.world_size * peak) if step else 0.0,
+        memory_per_rank_bytes=worst.total, device_memory_bytes=cluster.device.memory_bytes,
+        memory=worst)
+    fits = worst.total <= usable_bytes(cluster.device.memory_bytes)
+    return Priced(prediction, tuple(starts), fits)
+
+
+def _boundary_bytes(times: list[LayerTimes], bounds: list[int], layout: Layout) -> float:
+    """Bytes one microbatch sends across a stage boundary (the next layer's input)."""
+    sizes = [times[b].recompute_saved for b in bounds[1:-1]]
+    return max(sizes) if sizes else 0.0
+
+
+def _grad_bytes(layers: list[LayerProfile], layout: Layout, dtype: str) -> float:
+    return local_params(layers, layout.mesh.tp) * dtype_bytes(dtype)
+
+
+def _dp_sync(cluster, layout: Layout, layers: list[LayerProfile], dtype: str) -> float:
+    mesh = layout.mesh
+    if mesh.dp == 1:
+        return 0.0
+    ranks = [mesh.tp * i for i in range(mesh.dp)]  # one dp group: same pp and tp coordinate
+    nbytes = _grad_bytes(layers, layout, dtype)
+    if layout.zero >= 2:
+        # ZeRO paper: gradients reduce-scattered, then updated parameters all-gathered (2Ψ,
+        # as an all-reduce); ZeRO-3 gathers parameters for forward and again for backward (3Ψ)
+        time = comm.reduce_scatter(cluster, ranks, nbytes)
+        return time + comm.all_gather(cluster, ranks, nbytes) * (2 if layout.zero == 3 else 1)
+    return comm.all_reduce(cluster, ranks, nbytes)
+
+
+def _stage_memory(layers: list[LayerProfile], times: list[LayerTimes], layout: Layout,
+                  dtype: str, optimizer: str, stage: int) -> MemoryBreakdown:
+    mesh = layout.mesh
+    per = state_bytes_per_param(dtype, optimizer)
+    local = local_params(layers, mesh.tp)
+    d = mesh.dp
+    params = local * per.params / (d if layout.zero >= 3 else 1)
+    grads = local * per.grads / (d if layout.zero >= 2 else 1)
+    optim = local * per.optimizer / (d if layout.zero >= 1 else 1)
+    if layout.recompute == "full":
+        per_microbatch = sum(x.recompute_saved for x in times)
+        working = max((x.saved for x in times), default=0.0)
+    else:
+        per_microbatch = sum(x.saved for x in times)
+        working = 0.0
+    flight = in_flight(layout) if stage == 0 else max(1.0, in_flight(layout) - stage)
+    activations = per_microbatch * flight + working
+    return MemoryBreakdown(params=int(params), grads=int(grads), optimizer=int(optim),
+                           activations=int(activations))

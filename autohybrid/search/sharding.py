@@ -1,0 +1,267 @@
+"""Per-op shardings on the tp axis: which nodes split, where collectives join the pieces.
+
+The starting assignment is Megatron's: a linear whose input is replicated is
+column-parallel (output sharded on its feature dim) when its sharded output flows into a
+row-parallel linear, an attention core, or the loss before anything needs it whole; a
+linear whose input is sharded on the contracted dim is row-parallel (partial output,
+all-reduced: Megatron's g; backward all-reduces the column-parallel inputs: f). The
+embedding is vocabulary-parallel (partial, all-reduced), the LM head column-parallel with a
+vocabulary-parallel cross-entropy (three all-reduces of one value per token, never the
+logits). Shard dims are followed through views, transposes and splits; where a sharded
+value meets an op that needs it whole along the shard dim, an all-gather joins it.
+
+Placements use DTensor's vocabulary: "replicate", "shard(d)", "partial". The result is
+independent of the tp degree (divisibility is checked by the planner), so it is computed
+once per graph.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+import torch.fx as fx
+
+from ..cost.compute import nbytes_expr, sym_expr
+from ..graph import AH_ROLE, VAL, op_name
+
+R = "replicate"
+P = "partial"
+
+_VIEWS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default"}
+_TRANSPOSES = {"aten.transpose.int", "aten.permute.default", "aten.t.default"}
+_SPLITS = {"aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default",
+           "aten.unbind.int"}
+_CLASS_LOSSES = {"aten.cross_entropy_loss.default", "aten.nll_loss_nd.default",
+                 "aten.nll_loss.default"}
+_ELEMENTWISE_PREFIXES = ("aten.add.", "aten.sub.", "aten.mul.", "aten.div.", "aten.gelu.",
+                         "aten.silu.", "aten.relu.", "aten.tanh.", "aten.sigmoid.",
+                         "aten.dropout.", "aten.neg.", "aten.pow.", "aten.exp.",
+                         "aten.clone.", "aten._to_copy.", "aten.to.", "aten.contiguous.",
+                         "aten.cos.", "aten.sin.", "aten.rsqrt.", "aten.sqrt.",
+                         "aten.alias.", "aten.detach.", "aten.type_as.")
+
+
+def shard(dim: int) -> str:
+    return f"shard({dim})"
+
+
+def shard_dim(placement: str) -> int | None:
+    return int(placement[6:-1]) if placement.startswith("shard(") else None
+
+
+@dataclass
+class Collective:
+    node: str
+    kind: str            # "all_reduce" | "all_gather"
+    direction: str       # "forward" | "backward"
+    nbytes: sympy.Expr
+
+
+@dataclass
+class TensorParallelLayout:
+    """Placements of every node and the collectives the tp axis needs, per node name."""
+
+    placements: dict[str, str] = field(default_factory=dict)
+    linear_roles: dict[str, str] = field(default_factory=dict)   # "column" | "row" | "replicate"
+    param_placements: dict[str, str] = field(default_factory=dict)
+    collectives: list[Collective] = field(default_factory=list)
+
+    def is_sharded(self, node: fx.Node) -> bool:
+        return self.placements.get(node.name, R) != R
+
+
+def _val(node) -> torch.Tensor | None:
+    if isinstance(node, fx.Node):
+        val = node.meta.get(VAL)
+        return val if isinstance(val, torch.Tensor) else None
+    return None
+
+
+def _flows_to_consumer_that_shards(node: fx.Node, dim: int, budget: int = 64) -> bool:
+    """Does a value sharded on `dim` reach a row linear, attention or the loss first?"""
+    frontier, seen = [(node, dim)], set()
+    while frontier and budget > 0:
+        current, d = frontier.pop()
+        budget -= 1
+        for user in current.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            name = op_name(user)
+            if _is_check(user):
+                continue
+            if name == "aten.linear.default" and user.args[0] is current:
+                return d == _val(current).dim() - 1
+            if name in _CLASS_LOSSES or name == "aten.scaled_dot_product_attention.default":
+                return True
+            moved = _follow(user, current, d)
+            if moved is None:
+                return False
+            if isinstance(moved, list):
+                frontier.extend(moved)
+            else:
+                frontier.append((user, moved))
+    return False
+
+
+def _is_check(node: fx.Node) -> bool:
+    """Metadata assertions export leaves in the graph: no output, no data movement."""
+    return op_name(node).startswith(("aten._assert", "aten.sym_constrain"))
+
+
+def _follow(user: fx.Node, src: fx.Node, dim: int):
+    """Where the shard dim of `src` lands in `user`'s output (None: user needs it whole)."""
+    name = op_name(user)
+    if user.target is operator.getitem:
+        return dim
+    if name in _VIEWS:
+        return _view_dim(_val(src), _val(user), dim)
+    if name in _TRANSPOSES:
+        rank = _val(src).dim()
+        if name == "aten.t.default":
+            order = [1, 0]
+        elif name == "aten.transpose.int":
+            a, b = (x % rank for x in user.args[1:3])
+            order = list(range(rank))
+            order[a], order[b] = order[b], order[a]
+        else:
+            order = [x % rank for x in user.args[1]]
+        return order.index(dim)
+    if name in _SPLITS:
+        position = 1 if name == "aten.unbind.int" else 2
+        along = user.args[position] if len(user.args) > position else 0
+        along %= _val(src).dim()
+        if name == "aten.unbind.int":
+            if along == dim:
+                return None
+            return dim - 1 if along < dim else dim
+        return dim
+    if name in ("aten.slice.Tensor", "aten.cat.default", "aten.repeat_interleave.self_int",
+                "aten.select.int", "aten.unsqueeze.default", "aten.squeeze.dim"):
+        along = user.args[1] if len(user.args) > 1 else 0
+        rank = _val(src).dim() + (1 if name == "aten.unsqueeze.default" else 0)
+        along = along % rank if isinstance(along, int) else 0
+        if name == "aten.repeat_interleave.self_int":
+            along = (user.args[2] if len(user.args) > 2 else 0) % rank
+            return dim
+        if name == "aten.unsqueeze.default":
+            return dim + 1 if along <= dim else dim
+        if along == dim:
+            return None
+        if name in ("aten.select.int", "aten.squeeze.dim"):
+            return dim - 1 if along < dim else dim
+        return dim
+    if name in ("aten.expand.default",) or name.startswith(_ELEMENTWISE_PREFIXES):
+        out = _val(user)
+        if out is None:
+            return None
+        return dim + (out.dim() - _val(src).dim())
+    return None
+
+
+def _view_dim(src: torch.Tensor, out: torch.Tensor, dim: int) -> int | None:
+    """The dim of `out` where a shard on `src` dim `dim` lands (split dims: a divisible one)."""
+    before = sympy.Mul(*[sym_expr(s) for s in src.shape[:dim]])
+    width = sym_expr(src.shape[dim])
+    running = sympy.Integer(1)
+    for k, size in enumerate(out.shape):
+        if running == before:
+            # dims k.. of out cover the shard dim; take the first whose size is not the
+            # small fused-projection count (3 for qkv, 2 for gate/up) when there are several
+            span, covered = [], sympy.Integer(1)
+            for j in range(k, out.dim()):
+                span.append(j)
+                covered = covered * sym_expr(out.shape[j])
+                if covered == width:
+                    break
+            for j in span:
+                s = out.shape[j]
+                if not (isinstance(s, int) and s <= 3 and len(span) > 1):
+                    return j
+            return span[0]
+        running = running * sym_expr(size)
+    return None
+
+
+def megatron_layout(gm: fx.GraphModule) -> TensorParallelLayout:
+    """Propagate Megatron's shardings through `gm` (forward graph order)."""
+    layout = TensorParallelLayout()
+    place = layout.placements
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            place[node.name] = R
+            continue
+        name = op_name(node)
+        ins = [a for a in node.args if isinstance(a, fx.Node)]
+        if node.target is operator.getitem:
+            place[node.name] = place.get(node.args[0].name, R)
+            continue
+        if _is_check(node):
+            place[node.name] = R
+            continue
+        if name == "aten.linear.default":
+            _linear(node, layout)
+            continue
+        if name == "aten.embedding.default":
+            layout.param_placements[node.args[0].name] = shard(0)
+            place[node.name] = R
+            layout.collectives.append(Collective(node.name, "all_reduce", "forward",
+                                                 nbytes_expr(_val(node))))
+            continue
+        sharded = [a for a in ins if shard_dim(place.get(a.name, R)) is not None]
+        if not sharded:
+            place[node.name] = R
+            continue
+        if name in _CLASS_LOSSES:
+            place[node.name] = R  # vocabulary-parallel loss: per-token max, sum, target logit
+            tokens = sympy.Mul(*[sym_expr(s) for s in _val(node.args[0]).shape[:-1]])
+            layout.collectives.append(Collective(node.name, "all_reduce", "forward",
+                                                 3 * tokens * 4))
+            continue
+        if name == "aten.scaled_dot_product_attention.default":
+            place[node.name] = shard(1)
+            continue
+        src = sharded[0]
+        moved = _follow(node, src, shard_dim(place[src.name]))
+        if moved is None:  # needs the whole tensor: all-gather the sharded input(s)
+            for a in sharded:
+                layout.collectives.append(Collective(node.name, "all_gather", "forward",
+                                                     nbytes_expr(_val(a))))
+            place[node.name] = R
+        else:
+            place[node.name] = shard(moved)
+    return layout
+
+
+def _linear(node: fx.Node, layout: TensorParallelLayout) -> None:
+    x, weight = node.args[0], node.args[1]
+    bias = node.args[2] if len(node.args) > 2 else None
+    place = layout.placements
+    out = _val(node)
+    x_dim = shard_dim(place.get(x.name, R))
+    if x_dim is not None and x_dim == _val(x).dim() - 1:  # row-parallel: partial → all-reduce
+        layout.linear_roles[node.name] = "row"
+        layout.param_placements[weight.name] = shard(1)
+        place[node.name] = R
+        layout.collectives.append(Collective(node.name, "all_reduce", "forward",
+                                             nbytes_expr(out)))
+        return
+    if x_dim is not None:  # sharded elsewhere: gather, then decide as for a replicated input
+        layout.collectives.append(Collective(node.name, "all_gather", "forward",
+                                             nbytes_expr(_val(x))))
+    if _flows_to_consumer_that_shards(node, out.dim() - 1):
+        layout.linear_roles[node.name] = "column"
+        layout.param_placements[weight.name] = shard(0)
+        if isinstance(bias, fx.Node):
+            layout.param_placements[bias.name] = shard(0)
+        place[node.name] = shard(out.dim() - 1)
+        # Megatron's f: one backward all-reduce per distinct input (q, k, v share theirs)
+        already = any(c.direction == "backward" and c.node == x.name for c in layout.collectives)
+        if not already and (x.op != "placeholder" or x.meta.get(AH_ROLE) != "input"):
+            layout.collectives.append(Collective(x.name, "all_reduce", "backward",
+                                                 nbytes_expr(_val(x))))
+        return
+    layout.linear_roles[node.name] = "replicate"
+    place[node.name] = R

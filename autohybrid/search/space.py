@@ -1,0 +1,148 @@
+"""The costed model the search walks: per-layer profiles under tensor parallelism.
+
+`profile(gm, dim_roles)` segments the graph into layers (search/layers.py), applies the
+tp layout (search/sharding.py) and sums, per distinct layer signature, what scales with
+tp (sharded FLOPs, bytes, saved activations, parameters) and what does not, as compiled
+functions of (microbatch, sequence). The planner then prices any (tp, sp, recompute,
+stage) choice from these sums without touching the graph again.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Callable
+
+import sympy
+import torch
+import torch.fx as fx
+
+from ..cost.compute import (MATMUL_OPS, _tensors, bytes_moved, forward_flops, nbytes_expr,
+                            saved_nodes)
+from ..graph import AH_PARAM, AH_ROLE, VAL, VIEW_OPS, op_name
+from .layers import Layer, segment
+from .sharding import R, TensorParallelLayout, megatron_layout
+
+#: Order of the per-layer quantities evaluated together (one compiled function per layer).
+FIELDS = ("mm_sharded", "mm_replicated", "other_sharded", "other_replicated",
+          "bytes_sharded", "bytes_replicated", "saved_sharded", "saved_replicated",
+          "attention_flops", "attention_saved", "input_bytes")
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str          # "all_reduce" | "all_gather"
+    direction: str     # "forward" | "backward"
+    nbytes: Callable[[int, int], float]
+
+
+@dataclass
+class LayerProfile:
+    name: str
+    signature: str
+    params: tuple[tuple[str, int, bool], ...]   # (canonical name, numel, sharded on tp)
+    num_ops: int
+    values: Callable[[int, int], dict[str, float]]
+    collectives: list[Collective] = field(default_factory=list)
+
+
+def local_params(layers: list[LayerProfile], tp: int) -> float:
+    """Parameters one tp rank holds for `layers` (a tied parameter counted once)."""
+    unique = {name: (count, sharded) for layer in layers for name, count, sharded in layer.params}
+    return sum(count / tp if sharded else count for count, sharded in unique.values())
+
+
+@dataclass
+class ModelProfile:
+    layers: list[LayerProfile]
+    layout: TensorParallelLayout
+    param_count: int              # unique parameters (tied weights once)
+    heads: int | None             # attention heads, for tp divisibility (None: no attention)
+    kv_heads: int | None
+
+
+def profile(gm: fx.GraphModule, dim_roles: dict[sympy.Symbol, str]) -> ModelProfile:
+    layout = megatron_layout(gm)
+    batch, seq = sympy.symbols("batch seq", positive=True, integer=True)
+    subs = {s: (batch if role == "batch" else seq) for s, role in dim_roles.items()}
+    compiled: dict[str, tuple] = {}
+    layers = []
+    for layer in segment(gm):
+        if layer.signature not in compiled:
+            compiled[layer.signature] = _compile_layer(layer, layout, subs, batch, seq)
+        values, collectives, num_ops = compiled[layer.signature]
+        layers.append(LayerProfile(layer.name, layer.signature, _layer_params(layer, layout),
+                                   num_ops, values, collectives))
+    unique = {n.meta.get(AH_PARAM, n.name): n.meta[VAL].numel() for n in gm.graph.nodes
+              if n.op == "placeholder" and n.meta.get(AH_ROLE) == "param"}
+    heads, kv_heads = _heads(gm)
+    return ModelProfile(layers, layout, sum(unique.values()), heads, kv_heads)
+
+
+def _layer_params(layer: Layer, layout: TensorParallelLayout) -> tuple[tuple[str, int, bool], ...]:
+    return tuple((p.meta.get(AH_PARAM, p.name), p.meta[VAL].numel(),
+                  layout.param_placements.get(p.name, R) != R) for p in layer.params())
+
+
+def _compile_layer(layer: Layer, layout: TensorParallelLayout, subs: dict, batch, seq):
+    sums = {name: [] for name in FIELDS}
+    saved: dict[str, fx.Node] = {}
+    num_ops = 0
+    members = set(layer.nodes)
+    for node in layer.nodes:
+        name = op_name(node)
+        if name not in VIEW_OPS and node.target is not operator.getitem:
+            num_ops += 1
+        role = layout.linear_roles.get(node.name)
+        sharded = layout.is_sharded(node) or role in ("column", "row")
+        part = "sharded" if sharded else "replicated"
+        mm = name in MATMUL_OPS
+        sums[f"{'mm' if mm else 'other'}_{part}"].append(forward_flops(node))
+        sums[f"bytes_{part}"].append(bytes_moved(node))
+        if name == "aten.scaled_dot_product_attention.default":
+            sums["attention_flops"].append(forward_flops(node))
+        for s in saved_nodes(node):
+            if s.meta.get(AH_ROLE) not in ("param", "buffer", "constant"):
+                saved.setdefault(s.name, s)
+                if name == "aten.scaled_dot_product_attention.default" and s is node:
+                    sums["attention_saved"].extend(nbytes_expr(t) for t in _tensors(s.meta[VAL]))
+    for s in saved.values():
+        part = "sharded" if layout.is_sharded(s) else "replicated"
+        sums[f"saved_{part}"].extend(nbytes_expr(t) for t in _tensors(s.meta.get(VAL)))
+    inputs = {a for n in layer.nodes for a in n.all_input_nodes
+              if a not in members and a.meta.get(AH_ROLE) not in ("param", "buffer", "constant")
+              and isinstance(a.meta.get(VAL), torch.Tensor)}
+    sums["input_bytes"] = [nbytes_expr(a.meta[VAL]) for a in inputs]
+    exprs = [sympy.Add(*terms).xreplace(subs) if terms else sympy.Integer(0)
+             for terms in sums.values()]
+    fn = sympy.lambdify((batch, seq), exprs, modules="math")
+
+    def values(b: int, s: int | None) -> dict[str, float]:
+        return dict(zip(FIELDS, (float(v) for v in fn(b, s if s is not None else 1))))
+
+    collectives = []
+    names = {n.name for n in layer.nodes}
+    for c in layout.collectives:
+        if c.node in names:
+            f = sympy.lambdify((batch, seq), c.nbytes.xreplace(subs), modules="math")
+            collectives.append(Collective(c.kind, c.direction,
+                                          lambda b, s, f=f: float(f(b, s or 1))))
+    return values, collectives, num_ops
+
+
+def _heads(gm: fx.GraphModule) -> tuple[int | None, int | None]:
+    """Query and key/value head counts of the first attention (sdpa args are B, H, T, D)."""
+    for node in gm.graph.nodes:
+        if op_name(node) == "aten.scaled_dot_product_attention.default":
+            q, k = node.args[0].meta[VAL], node.args[1].meta[VAL]
+            kv = k.shape[1]
+            source = node.args[1]
+            # GQA expands kv heads before attention: look through expand/reshape for the count
+            while op_name(source) in ("aten.reshape.default", "aten.view.default",
+                                      "aten.expand.default", "aten.slice.Tensor",
+                                      "aten.unsqueeze.default", "aten.clone.default"):
+                source = source.args[0]
+                shape = source.meta[VAL].shape
+                if len(shape) >= 2 and isinstance(shape[1], int):
+                    kv = min(kv, shape[1])
+            return int(q.shape[1]), int(kv)
+    return None, None

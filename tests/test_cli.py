@@ -1,0 +1,119 @@
+"""Tests of the `autohybrid` command line.
+
+The help texts, the JSON output and the GPT-3 175B question run `python -m autohybrid.cli`
+in a subprocess, as a user would; the quick cases call `autohybrid.cli.main(argv)` in this
+process (the same code path after argument parsing, without a second torch import).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import autohybrid as ah
+from autohybrid import cli
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "autohybrid.cli", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(60)
+def test_help_documents_the_commands() -> None:
+    top = _cli("--help")
+    assert top.returncode == 0, top.stderr
+    assert "usage: autohybrid" in top.stdout and "plan" in top.stdout
+    assert "choose a parallel plan" in top.stdout
+    plan = _cli("plan", "--help")
+    assert plan.returncode == 0, plan.stderr
+    for option in ("--cluster", "--nodes", "--global-batch", "--seq", "--dtype", "--constrain",
+                   "--out", "--json", "--list-models"):
+        assert option in plan.stdout
+    assert "Exit status 2" in plan.stdout and "MODEL" in plan.stdout.upper()
+
+
+def _main(capsys, *args: str) -> tuple[int, str, str]:
+    code = cli.main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.timeout(60)
+def test_list_models(capsys) -> None:
+    code, out, _ = _main(capsys, "plan", "--list-models")
+    assert code == 0 and set(out.split()) == set(ah.models.PRESETS)
+
+
+@pytest.mark.timeout(90)
+def test_plan_json_and_out(tmp_path) -> None:
+    out = tmp_path / "plan.json"
+    result = _cli("plan", "gpt-tiny", "--cluster", "local:2", "--global-batch", "8", "--json",
+                  "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    printed = ah.Plan.from_json(result.stdout)
+    assert printed.mesh.dp == 2 and printed.global_batch == 8 and printed.world_size == 2
+    assert printed.model_ref == "gpt-tiny" and printed.dtype == "bfloat16"
+    assert out.read_text() == result.stdout  # --out writes the same JSON
+    assert ah.Plan.from_json(out) == printed
+    # the plan made on meta by the CLI serves the real model (same graph hash)
+    from autohybrid.capture import capture
+    model = ah.models.preset("gpt-tiny")
+    inputs, _ = ah.models.example_batch("gpt-tiny", 8)
+    assert capture(model, inputs, with_loss=False).hash == printed.model_hash
+
+
+@pytest.mark.timeout(90)
+def test_plan_constrain_is_applied_and_text_report(capsys) -> None:
+    code, out, err = _main(capsys, "plan", "gpt-tiny", "--cluster", "local:2",
+                           "--global-batch", "8", "--constrain", "num_microbatches=2,zero=1",
+                           "--json")
+    assert code == 0, err
+    plan = ah.Plan.from_json(out)
+    assert plan.num_microbatches == 2 and plan.zero == 1 and not plan.executable
+    code, out, err = _main(capsys, "plan", "gpt-tiny", "--cluster", "local:2",
+                           "--global-batch", "8")
+    assert code == 0, err
+    assert "pp1×dp2×tp1" in out and "alternatives" in out and "planned in" in out
+
+
+@pytest.mark.timeout(120)
+def test_plan_gpt3_175b_answers_quickly() -> None:
+    start = time.perf_counter()
+    result = _cli("plan", "gpt3-175b", "--cluster", "dgx-a100-80gb", "--nodes", "128",
+                  "--global-batch", "1536", timeout=90)
+    seconds = time.perf_counter() - start
+    assert seconds < 30, f"took {seconds:.1f} s"
+    assert result.returncode in (0, 2), result.stderr
+    if result.returncode == 2:
+        message = result.stderr
+        assert "no plan fits" in message
+        figures = [float(x) for x in re.findall(r"([0-9.]+) GiB", message)]
+        assert len(figures) >= 2 and max(figures) > 1
+        assert "1024 ranks" in message and "A100-80GB" in message
+    else:
+        assert "pp" in result.stdout and "GiB" in result.stdout
+
+
+@pytest.mark.timeout(60)
+def test_bad_input_exits_2_with_a_message(capsys) -> None:
+    code, _, err = _main(capsys, "plan", "gpt-tinyy")
+    assert code == 2
+    assert "'gpt-tinyy'" in err and "'gpt-tiny'" in err and "Traceback" not in err
+    code, _, err = _main(capsys, "plan", "gpt-tiny", "--cluster", "dgx-h10")
+    assert code == 2 and "closest: 'dgx-h100'" in err
+    code, _, err = _main(capsys, "plan", "gpt-tiny", "--constrain", "zero=7")
+    assert code == 2 and "Constraints.zero" in err
+    code, _, err = _main(capsys, "plan")
+    assert code == 2 and "MODEL" in err
+    code, _, err = _main(capsys, "plan", "gpt-tiny", "--cluster", "local:2", "--global-batch", "7",
+                         "--constrain", "tp=1,pp=1")
+    assert code == 2 and "multiple of 2" in err

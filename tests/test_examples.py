@@ -1,0 +1,32 @@
+"""The examples run, on tiny configurations, as a user would run them."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(240)
+def test_demo_trains_and_matches_eager():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "examples/demo.py", "--steps", "3", "--world-size", "2",
+         "--layers", "1", "--hidden", "32", "--batch", "4"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "mesh            pp1×dp2×tp1" in out
+    assert "all 2 ranks report the same loss: True" in out
+    rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.e+-]+)", out, re.M)
+    assert len(rows) == 3, out
+    for _step, compiled, eager, _diff in rows:
+        assert abs(float(compiled) - float(eager)) <= 1e-5 * abs(float(eager)), out
+    largest = float(re.search(r"largest parameter difference from eager after 3 steps: "
+                              r"([\d.e+-]+)", out).group(1))
+    assert largest < 1e-3, out

@@ -1,0 +1,342 @@
+"""Pure-graph tests of the passes and the pass manager (no processes).
+
+`global_loss`: for random splits of the batch into shards, Σ numerator / Σ denominator
+(kind "mean") or Σ numerator (kind "sum") of the rewritten graph equals the eager loss of
+the whole batch in fp64, and so do the gradients; losses it cannot split are accepted with
+one shard and refused (PlanError naming the node) with more. `sync_batch_norm` replaces
+training-mode batch norms when dp > 1 only. The manager: disabling passes by name, debug
+dumps, and the captured graph left untouched.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autohybrid as ah
+from autohybrid import models, ops
+from autohybrid.capture import CapturedGraph, capture
+from autohybrid.graph import AH_PASS, GraphFormatError, graph_hash, output_node, verify
+from autohybrid.passes import PassContext, passes_for, run_passes
+from autohybrid.passes.global_loss import global_loss
+from autohybrid.passes.sync_batch_norm import training_batch_norms
+from autohybrid.plan import Mesh, Plan, RankPlacement
+
+CLASSES, BATCH = 5, 12
+IGNORE = -1
+
+
+def make_plan(dp: int = 1, num_microbatches: int = 1, microbatch_size: int = 2) -> Plan:
+    return Plan(model_hash="test", cluster="test", cluster_hash="test", mesh=Mesh(dp=dp),
+                placement=tuple(RankPlacement(rank=r, node=0, device=r) for r in range(dp)),
+                global_batch=dp * num_microbatches * microbatch_size,
+                microbatch_size=microbatch_size, num_microbatches=num_microbatches)
+
+
+def train_context(cap: CapturedGraph, plan: Plan, rank: int = 0) -> PassContext:
+    ctx = PassContext(plan=plan, rank=rank, coords=plan.mesh.coords(rank), graph_kind="train")
+    ctx.notes["loss_output_index"] = cap.user_outputs[0]
+    return ctx
+
+
+def rewritten(cap: CapturedGraph, ctx: PassContext, gm: fx.GraphModule) -> CapturedGraph:
+    """The captured program with the rewritten graph; the denominator is the last output."""
+    outputs = [*cap.user_outputs, len(cap.mutated_buffers) + len(cap.user_outputs)]
+    return dataclasses.replace(cap, gm=gm, user_outputs=outputs)
+
+
+class Net(nn.Module):
+    def __init__(self, out_features: int = CLASSES):
+        super().__init__()
+        self.a = nn.Linear(6, 16)
+        self.b = nn.Linear(16, out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+class SeqNet(nn.Module):
+    """(batch, seq, 6) -> (batch, seq, classes), for token-style losses."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = Net()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _weights() -> torch.Tensor:
+    return torch.linspace(0.2, 2.0, CLASSES, dtype=torch.float64)
+
+
+def _classes(g: torch.Generator, ignored: bool = False, shape=(BATCH,)) -> torch.Tensor:
+    t = torch.randint(0, CLASSES, shape, generator=g)
+    if ignored:
+        t[:3] = IGNORE        # a whole leading shard can be ignored
+        t[5::4] = IGNORE
+    return t
+
+
+def _probabilities(g: torch.Generator) -> torch.Tensor:
+    return torch.softmax(torch.randn(BATCH, CLASSES, generator=g, dtype=torch.float64), -1)
+
+
+def _reals(g: torch.Generator) -> torch.Tensor:
+    return torch.randn(BATCH, CLASSES, generator=g, dtype=torch.float64)
+
+
+def _binary(g: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 2, (BATCH, CLASSES), generator=g).double()
+
+
+# name -> (model class, loss_fn, target maker, expected kind)
+LOSSES = {
+    "cross_entropy_ignore_index": (Net, lambda o, t: F.cross_entropy(o, t, ignore_index=IGNORE),
+                                   lambda g: _classes(g, ignored=True), "mean"),
+    "cross_entropy_class_weights": (Net, lambda o, t: F.cross_entropy(o, t, weight=_weights()),
+                                    _classes, "mean"),
+    "cross_entropy_weights_and_ignore": (
+        Net, lambda o, t: F.cross_entropy(o, t, weight=_weights(), ignore_index=IGNORE),
+        lambda g: _classes(g, ignored=True), "mean"),
+    "cross_entropy_label_smoothing": (
+        Net, lambda o, t: F.cross_entropy(o, t, label_smoothing=0.1, ignore_index=IGNORE),
+        lambda g: _classes(g, ignored=True), "mean"),
+    "cross_entropy_probabilities": (Net, F.cross_entropy, _probabilities, "mean"),
+    "cross_entropy_tokens": (
+        SeqNet, lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten(), ignore_index=IGNORE),
+        lambda g: _classes(g, ignored=True, shape=(BATCH, 3)), "mean"),
+    "cross_entropy_sum": (Net, lambda o, t: F.cross_entropy(o, t, reduction="sum"), _classes,
+                          "sum"),
+    "nll_loss": (Net, lambda o, t: F.nll_loss(F.log_softmax(o, -1), t, weight=_weights(),
+                                              ignore_index=IGNORE),
+                 lambda g: _classes(g, ignored=True), "mean"),
+    "mse_loss": (Net, F.mse_loss, _reals, "mean"),
+    "l1_loss": (Net, F.l1_loss, _reals, "mean"),
+    "bce_with_logits": (Net, F.binary_cross_entropy_with_logits, _binary, "mean"),
+    "half_mse": (Net, lambda o, t: 0.5 * F.mse_loss(o, t), _reals, "mean"),
+    "mean_of_expression": (Net, lambda o, t: ((o - t) ** 2).mean(), _reals, "mean"),
+    "mean_over_all_dims": (Net, lambda o, t: (o - t).abs().mean(dim=(0, 1)), _reals, "mean"),
+    "mean_of_expression_scaled": (Net, lambda o, t: ((o - t) ** 2 + (o - t).abs()).mean() / 4,
+                                  _reals, "mean"),
+    "sum_of_expression": (Net, lambda o, t: ((o - t) ** 2).sum(), _reals, "sum"),
+}
+
+
+def _inputs(model_cls, g: torch.Generator) -> torch.Tensor:
+    shape = (BATCH, 3, 6) if model_cls is SeqNet else (BATCH, 6)
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+def _random_splits(g: torch.Generator, trials: int = 3) -> list[list[slice]]:
+    splits = [[slice(0, 3), slice(3, BATCH)]]  # first shard: only ignored targets
+    for _ in range(trials):
+        count = int(torch.randint(2, 6, (1,), generator=g))
+        cuts = sorted(set(torch.randperm(BATCH - 1, generator=g)[: count - 1].add(1).tolist()))
+        bounds = [0, *cuts, BATCH]
+        splits.append([slice(a, b) for a, b in zip(bounds, bounds[1:])])
+    return splits
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_global_loss_shards_sum_to_the_eager_loss_and_gradients(name: str) -> None:
+    model_cls, loss_fn, make_targets, kind = LOSSES[name]
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    torch.manual_seed(0)
+    model = model_cls().double()
+    x, t = _inputs(model_cls, g), make_targets(g)
+    cap = capture(model, (x[:4],), loss_fn, (t[:4],))
+    ctx = train_context(cap, make_plan(dp=2, num_microbatches=2))
+    program = rewritten(cap, ctx, run_passes(cap.gm, ctx, [("global_loss", global_loss)]))
+    assert ctx.notes["loss_kind"] == kind
+    assert any(n.meta.get(AH_PASS) == "global_loss" for n in program.gm.graph.nodes)
+
+    eager = copy.deepcopy(model)
+    want = loss_fn(eager(x), t)
+    want.backward()
+    state = cap.default_state(model)
+    for split in _random_splits(g):
+        model.zero_grad()
+        numerator = denominator = 0.0
+        for shard in split:
+            num, den = program.run(state, (x[shard],), (t[shard],))
+            num.backward()
+            numerator, denominator = numerator + num.detach(), denominator + den.detach()
+        if kind == "mean":
+            got, scale = numerator / denominator, 1 / denominator
+        else:
+            got, scale = numerator, 1.0
+        torch.testing.assert_close(got, want.detach(), rtol=1e-12, atol=1e-12)
+        for (pname, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+            torch.testing.assert_close(p.grad * scale, q.grad, rtol=1e-10, atol=1e-12,
+                                       msg=f"{name}: gradient of {pname}, split {split}")
+
+
+OPAQUE = {
+    "divided_by_batch_size": (lambda o, t: ((o - t) ** 2).sum() / o.shape[0], "aten.div"),
+    "logsumexp": (lambda o, t: torch.logsumexp((o - t).flatten(), 0), "aten.logsumexp"),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", list(OPAQUE))
+def test_opaque_losses_run_unsplit_and_are_refused_when_split(name: str) -> None:
+    loss_fn, op = OPAQUE[name]
+    g = torch.Generator().manual_seed(1)
+    model = Net().double()
+    x, t = _inputs(Net, g), _reals(g)
+    cap = capture(model, (x[:4],), loss_fn, (t[:4],))
+    loss_node = output_node(cap.gm).args[0][cap.user_outputs[0]]
+
+    ctx = train_context(cap, make_plan())
+    program = rewritten(cap, ctx, run_passes(cap.gm, ctx, [("global_loss", global_loss)]))
+    assert ctx.notes["loss_kind"] == "opaque"
+    num, den = program.run(cap.default_state(model), (x,), (t,))
+    torch.testing.assert_close(num, loss_fn(model(x), t))
+    assert float(den) == 1.0
+
+    for dp, count in [(2, 1), (1, 2), (2, 2)]:
+        ctx = train_context(cap, make_plan(dp=dp, num_microbatches=count))
+        with pytest.raises(ah.PlanError) as err:
+            run_passes(cap.gm, ctx, [("global_loss", global_loss)])
+        text = str(err.value)
+        assert repr(loss_node.name) in text and op in text and f"{dp * count} batch shards" in text
+
+
+# --------------------------------------------------------------------------- batch norm
+
+
+@pytest.fixture()
+def dp_axis_unbound_group():
+    """Bind the "dp" axis to no group: the collective ops then act on this process only."""
+    ops.groups.bind("dp", None)
+    yield
+    ops.groups.clear()
+
+
+def _resnet_capture(train: bool = True):
+    torch.manual_seed(0)
+    model = models.preset("resnet-tiny").train(train)
+    inputs, targets = models.example_batch("resnet-tiny", 4)
+    return model, inputs, targets, capture(model, inputs, F.cross_entropy, targets)
+
+
+@pytest.mark.timeout(60)
+def test_sync_batch_norm_only_when_data_parallel(dp_axis_unbound_group) -> None:
+    model, inputs, targets, cap = _resnet_capture()
+    norms = len(training_batch_norms(cap.gm))
+    assert norms == sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()) > 0
+
+    ctx = train_context(cap, make_plan(dp=1))
+    gm = run_passes(cap.gm, ctx, passes_for("train"))
+    assert len(training_batch_norms(gm)) == norms
+    assert not any(n.meta.get(AH_PASS) == "sync_batch_norm" for n in gm.graph.nodes)
+
+    ctx = train_context(cap, make_plan(dp=2))
+    gm = run_passes(cap.gm, ctx, passes_for("train"))
+    verify(gm, "test")
+    assert training_batch_norms(gm) == []
+    sync = [n for n in gm.graph.nodes
+            if n.target is torch.ops.autohybrid.sync_batch_norm.default]
+    assert len(sync) == norms
+    created = [n for n in gm.graph.nodes if n.meta.get(AH_PASS) == "sync_batch_norm"]
+    assert set(sync) <= set(created)
+    assert all(n.target in (torch.ops.autohybrid.sync_batch_norm.default, operator.getitem,
+                            torch.ops.autohybrid.update_running_stats.default) for n in created)
+    assert all(n.args[-1] == "dp" for n in sync)
+
+    # with one process holding the whole batch it computes what eager does, stats included
+    eager = copy.deepcopy(model)
+    num, den = rewritten(cap, ctx, gm).run(cap.default_state(model), inputs, (targets,))
+    torch.testing.assert_close(num / den, F.cross_entropy(eager(*inputs), targets))
+    for (name, b), (_, c) in zip(model.named_buffers(), eager.named_buffers()):
+        torch.testing.assert_close(b, c, msg=name)
+
+
+@pytest.mark.timeout(60)
+def test_sync_batch_norm_leaves_eval_mode_batch_norm() -> None:
+    _, _, _, cap = _resnet_capture(train=False)
+    assert training_batch_norms(cap.gm) == []
+    ctx = train_context(cap, make_plan(dp=2))
+    gm = run_passes(cap.gm, ctx, passes_for("train"))
+    assert not any(n.meta.get(AH_PASS) == "sync_batch_norm" for n in gm.graph.nodes)
+
+
+# --------------------------------------------------------------------------- manager
+
+
+@pytest.mark.timeout(60)
+def test_disable_passes_by_name(monkeypatch) -> None:
+    _, _, _, cap = _resnet_capture()
+    norms = len(training_batch_norms(cap.gm))
+    monkeypatch.setenv("AUTOHYBRID_DISABLE_PASSES", "fusion, sync_batch_norm")
+    ctx = train_context(cap, make_plan(dp=2))
+    gm = run_passes(cap.gm, ctx, passes_for("train"))
+    assert len(training_batch_norms(gm)) == norms
+    assert ctx.notes["loss_kind"] == "mean"  # global_loss still ran
+    monkeypatch.setenv("AUTOHYBRID_DISABLE_PASSES", "global_loss,sync_batch_norm")
+    ctx = train_context(cap, make_plan(dp=2))
+    gm = run_passes(cap.gm, ctx, passes_for("train"))
+    assert "loss_kind" not in ctx.notes and gm.code == cap.gm.code
+
+
+@pytest.mark.timeout(60)
+def test_debug_dumps_plan_and_one_graph_per_pass(monkeypatch, tmp_path) -> None:
+    _, _, _, cap = _resnet_capture()
+    monkeypatch.setenv("AUTOHYBRID_DEBUG", "1")
+    monkeypatch.setenv("AUTOHYBRID_DUMP_DIR", str(tmp_path))
+    plan = make_plan(dp=2)
+    gm = run_passes(cap.gm, train_context(cap, plan, rank=1), passes_for("train"))
+    dump = tmp_path / "rank1"
+    assert Plan.from_json(dump / "plan.json") == plan
+    names = sorted(p.name for p in dump.glob("*.py"))
+    assert names == ["00_train_capture.py", "01_train_global_loss.py",
+                     "02_train_sync_batch_norm.py"]
+    assert "sync_batch_norm" in (dump / "02_train_sync_batch_norm.py").read_text()
+    assert "sync_batch_norm" not in (dump / "01_train_global_loss.py").read_text()
+    last = (dump / "02_train_sync_batch_norm.py").read_text()
+    assert gm.print_readable(print_output=False) == last
+
+    monkeypatch.setenv("AUTOHYBRID_DISABLE_PASSES", "sync_batch_norm")
+    forward = capture(models.preset("mlp-tiny"), (torch.randn(4, 16),), with_loss=False)
+    ctx = PassContext(plan=plan, rank=0, coords=(0, 0, 0), graph_kind="forward")
+    run_passes(forward.gm, ctx, passes_for("forward"))
+    assert sorted(p.name for p in (tmp_path / "rank0").glob("*.py")) == ["00_forward_capture.py"]
+
+
+@pytest.mark.timeout(60)
+def test_passes_never_modify_the_captured_graph() -> None:
+    _, _, _, cap = _resnet_capture()
+    code, digest = cap.gm.code, graph_hash(cap.gm)
+    nodes = [(n.name, n.target, n.args, n.kwargs, dict(n.meta)) for n in cap.gm.graph.nodes]
+    gm = run_passes(cap.gm, train_context(cap, make_plan(dp=2)), passes_for("train"))
+    assert gm is not cap.gm and gm.graph is not cap.gm.graph and gm.code != code
+    assert cap.gm.code == code and graph_hash(cap.gm) == digest == cap.hash
+    assert [(n.name, n.target, n.args, n.kwargs, dict(n.meta))
+            for n in cap.gm.graph.nodes] == nodes
+    assert not any(AH_PASS in n.meta for n in cap.gm.graph.nodes)
+
+
+@pytest.mark.timeout(60)
+def test_manager_checks_what_a_pass_returns() -> None:
+    cap = capture(models.preset("mlp-tiny"), (torch.randn(4, 16),), with_loss=False)
+    ctx = PassContext(plan=make_plan(), rank=0, coords=(0, 0, 0), graph_kind="forward")
+    with pytest.raises(TypeError, match="'returns_none'"):
+        run_passes(cap.gm, ctx, [("returns_none", lambda gm, ctx: None)])
+
+    def python_call(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+        out = output_node(gm)
+        with gm.graph.inserting_before(out):
+            node = gm.graph.call_function(abs, (out.args[0][0],))
+        node.meta[AH_PASS] = "python_call"
+        return gm
+
+    with pytest.raises(GraphFormatError, match="after pass 'python_call'"):
+        run_passes(cap.gm, ctx, [("python_call", python_call)])
