@@ -139,7 +139,7 @@ def _compile_with_own_plan(rank: int, plans: list) -> str | None:
 def test_ranks_holding_different_plans_all_raise_naming_the_ranks() -> None:
     model = models.preset("gpt-tiny")
     inputs, _ = _gpt_tiny_batch()
-    plan = ah.plan(model, ah.Cluster.local(2), inputs)
+    plan = ah.plan(model, ah.Cluster.local(2), inputs, executable_only=True)
     other = dataclasses.replace(plan, bucket_mb=plan.bucket_mb / 5)
     assert other.hash() != plan.hash()
     messages = ah.launch(_compile_with_own_plan, ah.Cluster.local(2), args=([plan, other],),

@@ -21,7 +21,7 @@ from ..graph import AH_PARAM, AH_ROLE, VAL, VIEW_OPS, op_name
 #: Documented efficiency constants of the roofline (fractions of peak). Calibration
 #: replaces them for a measured machine. Sources: hardware_and_formulas.md "practical
 #: ceilings" (large bf16 GEMMs reach 75–80 % of peak; memory-bound kernels ~80 % of HBM).
-MATMUL_EFFICIENCY = 0.75
+MATMUL_EFFICIENCY = 0.80
 MEMORY_EFFICIENCY = 0.80
 LAUNCH_OVERHEAD_S = 5e-6
 

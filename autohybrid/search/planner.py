@@ -3,8 +3,8 @@
 Pure functions of (model profile, cluster, options): the same inputs give the same Plan
 on every rank. The space is the mesh (tp inside a node, pp, dp), sequence parallelism,
 microbatch size, pipeline schedule (and interleaving depth), recomputation and ZeRO stage.
-Pruning: a slower feature (more recomputation, a higher ZeRO stage) is only tried when the
-faster one does not fit; the stage split is cached per microbatch shape. Candidates the
+Pruning: for each ZeRO stage, more recomputation is only tried when less does not fit
+(it only adds time); layer times and the stage split are cached per microbatch shape. Candidates the
 runtime cannot execute are priced too (so `ah.plan` can show them) and marked;
 `ah.compile` passes `executable_only=True`.
 """
@@ -81,18 +81,19 @@ def search(profile: ModelProfile, cluster, request: PlanRequest,
     progress = _Progress(start)
     cache: dict = {}
     for base in _layouts(profile, cluster, request, skipped):
-        for layout in _slower_variants(base, request.constraints):
-            reasons = checker.reasons(layout, profile)
-            if executable_only and reasons:
-                skipped.append("; ".join(reasons))
-                continue
-            priced = price(profile, cluster, layout, request.seq, request.dtype,
-                           request.graph_dtype_bytes, request.optimizer, request.global_batch,
-                           cache)
-            candidates.append(Candidate(layout, priced, tuple(reasons)))
-            progress.tick(len(candidates))
-            if priced.fits:
-                break  # more recomputation or a higher ZeRO stage only adds time
+        for levels in _variants(base, request.constraints):
+            for layout in levels:
+                reasons = checker.reasons(layout, profile)
+                if executable_only and reasons:
+                    skipped.append("; ".join(reasons))
+                    continue
+                priced = price(profile, cluster, layout, request.seq, request.dtype,
+                               request.graph_dtype_bytes, request.optimizer,
+                               request.global_batch, cache)
+                candidates.append(Candidate(layout, priced, tuple(reasons)))
+                progress.tick(len(candidates))
+                if priced.fits:
+                    break  # for this ZeRO stage, more recomputation only adds time
     progress.done()
     if not candidates:
         if executable_only and skipped:
@@ -214,15 +215,19 @@ def _schedules(pp: int, count: int, blocks: int, pinned: Constraints):
             yield name, 1
 
 
-def _slower_variants(base: Layout, pinned: Constraints) -> Iterator[Layout]:
-    """`base` with recompute none→selective→full × ZeRO 0→3, fastest first."""
+def _variants(base: Layout, pinned: Constraints) -> Iterator[list[Layout]]:
+    """`base` per ZeRO stage, each as its recompute levels none→selective→full.
+
+    For a fixed ZeRO stage more recomputation only adds time, so a level is tried only
+    when the ones before it do not fit. ZeRO stages are all priced: a sharded optimizer
+    update can be faster, and a higher stage can fit without recomputation.
+    """
     recomputes = [pinned.recompute] if pinned.recompute else ["none", "selective", "full"]
     zeros = [pinned.zero] if pinned.zero is not None else [0, 1, 2, 3]
     if base.mesh.dp == 1 and pinned.zero is None:
         zeros = [0]  # nothing to shard the state over
-    for recompute in recomputes:
-        for zero in zeros:
-            yield replace(base, recompute=recompute, zero=zero)
+    for zero in zeros:
+        yield [replace(base, recompute=recompute, zero=zero) for recompute in recomputes]
 
 
 def _refuse_pinned_features(pinned: Constraints,

@@ -24,6 +24,14 @@ from .stages import partition
 
 #: Update of the optimizer: bytes touched per parameter (read/write weights, grads, states).
 OPTIMIZER_BYTES_PER_PARAM = 16.0
+#: Attention kernels. "flash" (SDPA's fused kernels, what autohybrid runs) never stores
+#: the score matrix. "materialized" (Megatron-LM before flash attention, the setting of
+#: Korthikanti et al.) writes scores, softmax and dropout mask: per score element about
+#: 8 forward memory accesses, and 2 bytes (scores) + 2 (softmax) + 1 (mask) kept for
+#: backward (their 5·a·s²·b activation term).
+ATTENTION_IMPLEMENTATIONS = ("flash", "materialized")
+MATERIALIZED_ACCESSES_FORWARD = 8
+MATERIALIZED_SAVED_PER_SCORE = 2 + 2 + 1
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,7 @@ class LayerTimes:
 
 
 def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
-                dtype: str, graph_dtype_bytes: int) -> LayerTimes:
+                dtype: str, graph_dtype_bytes: int, attention: str = "flash") -> LayerTimes:
     mesh, b = layout.mesh, layout.microbatch_size
     t, sp = mesh.tp, mesh.sp
     v = layer.values(b, seq)
@@ -67,10 +75,16 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
     matmul = (v["mm_sharded"] / t + v["mm_replicated"]) / (peak * MATMUL_EFFICIENCY)
     moved = (v["bytes_sharded"] / t + v["bytes_replicated"] * replicated_share) * scale
     other = (v["other_sharded"] / t + v["other_replicated"] * replicated_share) / peak
-    forward = matmul + max(moved / (device.memory_bandwidth * MEMORY_EFFICIENCY), other) \
-        + layer.num_ops * LAUNCH_OVERHEAD_S
-    recompute = {"none": 0.0, "full": forward,
-                 "selective": v["attention_flops"] / t / (peak * MATMUL_EFFICIENCY)}[layout.recompute]
+    bandwidth = device.memory_bandwidth * MEMORY_EFFICIENCY
+    core = v["attention_flops"] / t / (peak * MATMUL_EFFICIENCY)  # the attention core
+    scores_saved = 0.0
+    if attention == "materialized":
+        scores = v["attention_scores"] / t
+        core += MATERIALIZED_ACCESSES_FORWARD * dtype_bytes(dtype) * scores / bandwidth
+        moved += MATERIALIZED_ACCESSES_FORWARD * dtype_bytes(dtype) * scores
+        scores_saved = MATERIALIZED_SAVED_PER_SCORE * scores
+    forward = matmul + max(moved / bandwidth, other) + layer.num_ops * LAUNCH_OVERHEAD_S
+    recompute = {"none": 0.0, "full": forward, "selective": core}[layout.recompute]
     tp_ranks = list(range(t))
     tp_comm = 0.0
     for c in layer.collectives if t > 1 else ():
@@ -85,6 +99,8 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
     saved = (v["saved_sharded"] / t + v["saved_replicated"] * replicated_share) * scale
     if layout.recompute == "selective":
         saved -= v["attention_saved"] / t * scale
+    else:
+        saved += scores_saved
     kept = v["input_bytes"] * replicated_share * scale
     return LayerTimes(forward, 2 * forward, recompute, tp_comm, saved, kept)
 
@@ -115,7 +131,7 @@ def bubble(layout: Layout, forward_share: float) -> float:
 
 def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype: str,
           graph_dtype_bytes: int, optimizer: str, global_batch: int,
-          cache: dict | None = None) -> Priced:
+          cache: dict | None = None, attention: str = "flash") -> Priced:
     """Predict `layout`; `cache` (any dict, kept across calls) reuses layer times and splits."""
     cache = {} if cache is None else cache
     mesh = layout.mesh
@@ -124,7 +140,8 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
     for layer in profile.layers:
         key = (layer.signature, *shape)
         if key not in cache:
-            cache[key] = layer_times(layer, cluster, layout, seq, dtype, graph_dtype_bytes)
+            cache[key] = layer_times(layer, cluster, layout, seq, dtype, graph_dtype_bytes,
+                                     attention)
         times.append(cache[key])
     per_layer = [x.forward + x.backward + x.recompute + x.tp_comm for x in times]
     split_key = ("split", mesh.pp, *shape)

@@ -29,7 +29,8 @@ from ..graph import AH_ROLE, VAL, op_name
 R = "replicate"
 P = "partial"
 
-_VIEWS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default"}
+_VIEWS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.default",
+          "aten.flatten.using_ints", "aten.unflatten.int"}
 _TRANSPOSES = {"aten.transpose.int", "aten.permute.default", "aten.t.default"}
 _SPLITS = {"aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default",
            "aten.unbind.int"}

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from ..cost.compute import (MATMUL_OPS, _tensors, bytes_moved, forward_flops, nbytes_expr,
-                            saved_nodes)
+                            numel_expr, saved_nodes, sym_expr)
 from ..graph import AH_PARAM, AH_ROLE, VAL, VIEW_OPS, op_name
 from .layers import Layer, segment
 from .sharding import R, TensorParallelLayout, megatron_layout
@@ -25,7 +25,7 @@ from .sharding import R, TensorParallelLayout, megatron_layout
 #: Order of the per-layer quantities evaluated together (one compiled function per layer).
 FIELDS = ("mm_sharded", "mm_replicated", "other_sharded", "other_replicated",
           "bytes_sharded", "bytes_replicated", "saved_sharded", "saved_replicated",
-          "attention_flops", "attention_saved", "input_bytes")
+          "attention_flops", "attention_saved", "attention_scores", "input_bytes")
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,9 @@ def _compile_layer(layer: Layer, layout: TensorParallelLayout, subs: dict, batch
         sums[f"bytes_{part}"].append(bytes_moved(node))
         if name == "aten.scaled_dot_product_attention.default":
             sums["attention_flops"].append(forward_flops(node))
+            q, k = node.args[0].meta[VAL], node.args[1].meta[VAL]  # (B, H, Tq, D), (B, H, Tk, D)
+            sums["attention_scores"].append(numel_expr(q) / sym_expr(q.shape[-1])
+                                            * sym_expr(k.shape[-2]))
         for s in saved_nodes(node):
             if s.meta.get(AH_ROLE) not in ("param", "buffer", "constant"):
                 saved.setdefault(s.name, s)

@@ -1,0 +1,66 @@
+"""Predicted against published step times: Korthikanti et al. (MLSys'23), DGX A100 80GB.
+
+    python benchmarks/published_runs.py
+
+Each row's configuration (tp, pp, microbatch, SP + selective or full recomputation) is
+pinned through the layout and priced by the planner's cost model with the attention
+kernels those runs used (materialized scores, `attention="materialized"`). Prints the
+predicted and published iteration times, their ratio, and the full/selective ratio.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+import autohybrid as ah
+from autohybrid.capture import capture
+from autohybrid.plan import Mesh
+from autohybrid.search.pricing import Layout, price
+from autohybrid.search.space import profile
+
+#: name, layers, hidden, heads, tp, pp, global batch, microbatch, full s, selective s
+KORTHIKANTI = [
+    ("22B", 48, 6144, 64, 8, 1, 4, 4, 1.42, 1.10),
+    ("175B", 96, 12288, 96, 8, 8, 64, 1, 18.13, 13.75),
+    ("530B", 105, 20480, 128, 8, 35, 280, 1, 49.05, 37.83),
+    ("1T", 128, 25600, 160, 8, 64, 512, 1, 94.42, 71.49),
+]
+
+
+def predict(row) -> dict:
+    name, layers, hidden, heads, tp, pp, batch, micro, full, selective = row
+    model = ah.models.gpt(layers=layers, hidden=hidden, heads=heads, vocab=51200, seq=2048,
+                          device="meta")
+    tokens = torch.zeros(micro, 2048, dtype=torch.long, device="meta")
+    loss = lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten())
+    cap = capture(model, (tokens,), loss, tokens)
+    prof = profile(cap.gm, cap.dim_roles)
+    cluster = ah.Cluster.preset("dgx-a100-80gb", nodes=tp * pp // 8)
+    out = {"name": name, "published": {"full": full, "selective": selective}}
+    for recompute in ("full", "selective"):
+        layout = Layout(Mesh(pp=pp, dp=1, tp=tp, sp=True), micro, batch // micro,
+                        schedule="1f1b" if pp > 1 else "none", recompute=recompute)
+        priced = price(prof, cluster, layout, 2048, "bfloat16", 4, "adam", batch,
+                       attention="materialized")
+        out[recompute] = priced.prediction.step_time_s
+        out[f"{recompute}_fits"] = priced.fits
+    return out
+
+
+def main() -> None:
+    print(f"{'model':>6} {'full pred':>10} {'full pub':>9} {'ratio':>6}  {'sel pred':>9} "
+          f"{'sel pub':>8} {'ratio':>6}  {'full/sel pred':>13} {'full/sel pub':>12}")
+    for row in KORTHIKANTI:
+        start = time.perf_counter()
+        r = predict(row)
+        pub = r["published"]
+        print(f"{r['name']:>6} {r['full']:>10.2f} {pub['full']:>9.2f} "
+              f"{r['full'] / pub['full']:>6.2f}  {r['selective']:>9.2f} {pub['selective']:>8.2f} "
+              f"{r['selective'] / pub['selective']:>6.2f}  {r['full'] / r['selective']:>13.2f} "
+              f"{pub['full'] / pub['selective']:>12.2f}   ({time.perf_counter() - start:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Planner tests: stage DP and search against brute force, Megatron shardings, and the
+cost model against published runs (issue 3)."""
+from __future__ import annotations
+
+import itertools
+import random
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autohybrid as ah
+from autohybrid.api import make_plan
+from autohybrid.capture import capture
+from autohybrid.cost.memory import usable_bytes
+from autohybrid.runtime.features import unsupported
+from autohybrid.search import planner
+from autohybrid.search.pricing import price
+from autohybrid.search.sharding import megatron_layout
+from autohybrid.search.space import profile
+from autohybrid.search.stages import partition, stage_costs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import published_runs  # noqa: E402
+
+
+def _loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.timeout(60)
+def test_stage_partition_matches_brute_force_on_random_costs():
+    rng = random.Random(0)
+    for _ in range(1500):
+        n = rng.randint(1, 9)
+        stages = rng.randint(1, n)
+        costs = [rng.choice([rng.random(), float(rng.randint(0, 5))]) for _ in range(n)]
+        starts, slowest = partition(costs, stages)
+        brute = min(max(stage_costs(costs, (0, *cuts)))
+                    for cuts in itertools.combinations(range(1, n), stages - 1))
+        assert slowest == pytest.approx(brute, abs=1e-12)
+        assert len(starts) == stages and starts[0] == 0 and list(starts) == sorted(set(starts))
+        assert max(stage_costs(costs, starts)) == pytest.approx(slowest, abs=1e-12)
+
+
+def _gpt_tiny_profile():
+    model = ah.models.preset("gpt-tiny", device="meta")
+    (tokens,), targets = ah.models.example_batch(model, 8, device="meta")
+    cap = capture(model, (tokens,), _loss, targets)
+    return cap, profile(cap.gm, cap.dim_roles)
+
+
+def _with_memory(cluster: ah.Cluster, memory: int) -> ah.Cluster:
+    return replace(cluster, device=replace(cluster.device, memory_bytes=memory))
+
+
+@pytest.mark.timeout(120)
+def test_search_returns_the_optimum_of_an_exhaustive_enumeration():
+    cap, prof = _gpt_tiny_profile()
+    request = planner.PlanRequest(model_hash=cap.hash, global_batch=8, seq=16,
+                                  dtype="float32", graph_dtype_bytes=4)
+    for memory in (None, 400_000, 250_000):
+        cluster = ah.Cluster.preset("cpu", nodes=1)  # 4 ranks on one node
+        if memory:
+            cluster = _with_memory(cluster, memory)
+        every = []  # no pruning: every layout × recompute × ZeRO
+        for base in planner._layouts(prof, cluster, request, []):
+            for recompute, zero in itertools.product(("none", "selective", "full"), range(4)):
+                layout = replace(base, recompute=recompute, zero=zero)
+                every.append(price(prof, cluster, layout, 16, "float32", 4, "adam", 8))
+        fitting = [p for p in every if p.fits]
+        plan = planner.search(prof, cluster, request, unsupported, executable_only=False)
+        best = min(p.prediction.step_time_s for p in fitting)
+        assert plan.predicted.step_time_s == pytest.approx(best, rel=1e-12), memory
+        assert plan.predicted.memory_per_rank_bytes <= usable_bytes(cluster.device.memory_bytes)
+
+
+@pytest.mark.timeout(60)
+def test_megatron_shardings_of_a_gpt_block():
+    model = ah.models.preset("gpt-tiny", device="meta")
+    (tokens,), targets = ah.models.example_batch(model, 4, device="meta")
+    cap = capture(model, (tokens,), _loss, targets)
+    layout = megatron_layout(cap.gm)
+    linears = [n for n in cap.gm.graph.nodes if n.target is torch.ops.aten.linear.default]
+    roles = [layout.linear_roles[n.name] for n in linears]
+    # per block: qkv column, proj row, fc column, proj row; the LM head column-parallel
+    assert roles == ["column", "row", "column", "row"] * 2 + ["column"]
+    forward = [c for c in layout.collectives if c.direction == "forward"]
+    backward = [c for c in layout.collectives if c.direction == "backward"]
+    rows = {n.name for n, r in zip(linears, roles) if r == "row"}
+    assert {c.node for c in forward if c.kind == "all_reduce"} >= rows
+    assert not [c for c in forward if c.kind == "all_gather"]  # logits are never gathered
+    assert len(backward) == 2 * 2 + 1   # f before each block's attention and MLP, and the head
+    sdpa = [n for n in cap.gm.graph.nodes
+            if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    assert all(layout.placements[n.name] == "shard(1)" for n in sdpa)  # split by heads
+
+
+@pytest.mark.timeout(60)
+def test_megatron_shardings_of_a_llama_block_with_swiglu_and_gqa():
+    model = ah.models.preset("llama-tiny", device="meta")
+    (tokens,), targets = ah.models.example_batch(model, 4, device="meta")
+    cap = capture(model, (tokens,), _loss, targets)
+    layout = megatron_layout(cap.gm)
+    roles = [layout.linear_roles[n.name] for n in cap.gm.graph.nodes
+             if n.target is torch.ops.aten.linear.default]
+    # q, k, v column; o row; gate, up column; down row (per block); the head column
+    assert roles == ["column"] * 3 + ["row"] + ["column"] * 2 + ["row"] + \
+        ["column"] * 3 + ["row"] + ["column"] * 2 + ["row"] + ["column"]
+    assert not [c for c in layout.collectives if c.kind == "all_gather"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("row", published_runs.KORTHIKANTI, ids=lambda r: r[0])
+def test_korthikanti_rows_are_predicted_within_15_percent(row):
+    result = published_runs.predict(row)
+    for recompute in ("full", "selective"):
+        ratio = result[recompute] / result["published"][recompute]
+        assert 0.85 <= ratio <= 1.15, (row[0], recompute, ratio)
+        assert result[f"{recompute}_fits"]
+    predicted = result["full"] / result["selective"]
+    published = result["published"]["full"] / result["published"]["selective"]
+    assert predicted == pytest.approx(published, rel=0.05)
