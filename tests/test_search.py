@@ -124,3 +124,24 @@ def test_korthikanti_rows_are_predicted_within_15_percent(row):
     predicted = result["full"] / result["selective"]
     published = result["published"]["full"] / result["published"]["selective"]
     assert predicted == pytest.approx(published, rel=0.05)
+
+
+@pytest.mark.timeout(180)
+def test_planner_prefers_interleaving_for_llama3_405b_on_512_gpus():
+    """torchtitan: Llama3.1-405B, FSDP 8 × TP 8 × PP 8 on 512 H100s, interleaved 1F1B gave
+    128 tokens/s per GPU against 100 for plain 1F1B."""
+    model = ah.models.preset("llama3-405b", device="meta")
+    tokens = torch.zeros(1, 8192, dtype=torch.long, device="meta")
+    forward = capture(model, (tokens,), with_loss=False)
+    cluster = ah.Cluster.preset("dgx-h100", nodes=64)
+
+    def best(schedule):
+        constraints = ah.Constraints(tp=8, pp=8, dp=8, schedule=schedule)
+        return make_plan(forward, None, model, cluster, (tokens,), 8 * 16, torch.bfloat16,
+                         constraints, "adam", executable_only=False)
+
+    free, one_f_one_b, interleaved = best(None), best("1f1b"), best("interleaved")
+    assert free.schedule != "1f1b"
+    assert interleaved.virtual_stages > 1
+    speedup = one_f_one_b.predicted.step_time_s / interleaved.predicted.step_time_s
+    assert 1.05 < speedup < 1.6  # measured: 128 / 100 = 1.28

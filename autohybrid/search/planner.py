@@ -162,8 +162,8 @@ def _tp_degrees(profile: ModelProfile, cluster, pinned: Constraints,
         return [pinned.tp]
     out = []
     for tp in divisors(cluster.world_size):
-        if tp > cluster.devices_per_node:
-            continue  # tp across nodes is never competitive; pin it to see it priced
+        if cluster.devices_per_node % tp:
+            continue  # tp groups stay inside a node (pin tp to see other degrees priced)
         if profile.heads and profile.heads % tp:
             skipped.append(f"tp={tp} does not divide {profile.heads} attention heads")
             continue
@@ -172,9 +172,12 @@ def _tp_degrees(profile: ModelProfile, cluster, pinned: Constraints,
 
 
 def _sp_choices(tp: int, pinned: Constraints) -> list[bool]:
+    """Sequence parallelism moves the same bytes as tp's all-reduces and splits the
+    replicated regions' compute and activations, so with tp > 1 it dominates (pin sp=False
+    to see the alternative priced)."""
     if pinned.sp is not None:
         return [pinned.sp]
-    return [False, True] if tp > 1 else [False]
+    return [True] if tp > 1 else [False]
 
 
 def _microbatch_sizes(local: int, pinned: Constraints, skipped: list[str]) -> list[int]:
@@ -326,11 +329,17 @@ def _alternatives(best: Candidate, candidates: list[Candidate]) -> tuple[Alterna
             delta = (c.step / base - 1) * 100 if base else 0.0
             reason = f"{delta:+.1f} % step time"
             if not c.executable:
-                reason += "; not executable yet: " + "; ".join(c.unsupported)
+                reason += "; not executable yet: " + _short(c.unsupported)
         out.append(Alternative(summary=c.summary(), step_time_s=c.step,
                                memory_per_rank_bytes=p.memory_per_rank_bytes, fits=c.fits,
                                executable=c.executable, reason=reason))
     return tuple(out)
+
+
+def _short(reasons: tuple[str, ...]) -> str:
+    """'tensor parallelism (tp=8); ZeRO stage 2' from the runtime's full sentences."""
+    return "; ".join(dict.fromkeys(r.split(" is not executable")[0].split(" needs ")[0]
+                                   for r in reasons))
 
 
 def _gib(nbytes: float) -> str:

@@ -34,6 +34,22 @@ MATERIALIZED_ACCESSES_FORWARD = 8
 MATERIALIZED_SAVED_PER_SCORE = 2 + 2 + 1
 
 
+class LinkCache:
+    """`cluster` with `link_for` memoized: the search asks for the same groups many times."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self.devices_per_node = cluster.devices_per_node
+        self.device = cluster.device
+        self._links: dict[tuple[int, ...], object] = {}
+
+    def link_for(self, ranks):
+        key = tuple(ranks)
+        if key not in self._links:
+            self._links[key] = self.cluster.link_for(key)
+        return self._links[key]
+
+
 @dataclass(frozen=True)
 class Layout:
     mesh: Mesh
@@ -134,6 +150,9 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
           cache: dict | None = None, attention: str = "flash") -> Priced:
     """Predict `layout`; `cache` (any dict, kept across calls) reuses layer times and splits."""
     cache = {} if cache is None else cache
+    if "links" not in cache:
+        cache["links"] = LinkCache(cluster)
+    cluster = cache["links"]
     mesh = layout.mesh
     shape = (layout.microbatch_size, mesh.tp, mesh.sp, layout.recompute)
     times = []
@@ -160,19 +179,25 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
         pair = [0, mesh.dp * mesh.tp]  # neighbouring stages' ranks (placement order)
         hops = (m + mesh.pp - 1) * layout.virtual_stages
         p2p = 2 * hops * comm.send_recv(cluster, pair, activation)
+    params = []
+    for k in range(mesh.pp):
+        key = ("params", bounds[k], bounds[k + 1], mesh.tp)
+        if key not in cache:
+            cache[key] = local_params(layers[k], mesh.tp)
+        params.append(cache[key])
     memories, grad_sync, exposed = [], 0.0, 0.0
     for k in range(mesh.pp):
-        memory = _stage_memory(layers[k], stages[k], layout, dtype, optimizer, k)
+        memory = _stage_memory(params[k], stages[k], layout, dtype, optimizer, k)
         memories.append(memory)
-        sync = _dp_sync(cluster, layout, layers[k], dtype)
+        grad_bytes = params[k] * dtype_bytes(dtype)
+        sync = _dp_sync(cluster, layout, grad_bytes)
         backward = sum(x.backward for x in stages[k])
-        buckets = max(1, math.ceil(_grad_bytes(layers[k], layout, dtype) /
-                                   (layout.bucket_mb * 2**20)))
+        buckets = max(1, math.ceil(grad_bytes / (layout.bucket_mb * 2**20)))
         hidden = backward * (buckets - 1) / buckets
         grad_sync = max(grad_sync, sync)
         exposed = max(exposed, max(sync - hidden, sync / buckets) if sync else 0.0)
     worst = max(memories, key=lambda mem: mem.total)
-    params_local = max(local_params(ls, mesh.tp) for ls in layers)
+    params_local = max(params)
     update = params_local / (mesh.dp if layout.zero else 1) * OPTIMIZER_BYTES_PER_PARAM \
         / (cluster.device.memory_bandwidth * MEMORY_EFFICIENCY)
     step = compute + p2p + exposed + update
@@ -200,16 +225,12 @@ def _boundary_bytes(times: list[LayerTimes], bounds: list[int], layout: Layout) 
     return max(sizes) if sizes else 0.0
 
 
-def _grad_bytes(layers: list[LayerProfile], layout: Layout, dtype: str) -> float:
-    return local_params(layers, layout.mesh.tp) * dtype_bytes(dtype)
-
-
-def _dp_sync(cluster, layout: Layout, layers: list[LayerProfile], dtype: str) -> float:
+def _dp_sync(cluster, layout: Layout, nbytes: float) -> float:
+    """Gradient synchronization of one stage's `nbytes` of gradients over its dp group."""
     mesh = layout.mesh
     if mesh.dp == 1:
         return 0.0
     ranks = [mesh.tp * i for i in range(mesh.dp)]  # one dp group: same pp and tp coordinate
-    nbytes = _grad_bytes(layers, layout, dtype)
     if layout.zero >= 2:
         # ZeRO paper: gradients reduce-scattered, then updated parameters all-gathered (2Ψ,
         # as an all-reduce); ZeRO-3 gathers parameters for forward and again for backward (3Ψ)
@@ -218,11 +239,11 @@ def _dp_sync(cluster, layout: Layout, layers: list[LayerProfile], dtype: str) ->
     return comm.all_reduce(cluster, ranks, nbytes)
 
 
-def _stage_memory(layers: list[LayerProfile], times: list[LayerTimes], layout: Layout,
-                  dtype: str, optimizer: str, stage: int) -> MemoryBreakdown:
+def _stage_memory(local: float, times: list[LayerTimes], layout: Layout, dtype: str,
+                  optimizer: str, stage: int) -> MemoryBreakdown:
+    """Bytes on a rank of `stage` that holds `local` parameters (after tp)."""
     mesh = layout.mesh
     per = state_bytes_per_param(dtype, optimizer)
-    local = local_params(layers, mesh.tp)
     d = mesh.dp
     params = local * per.params / (d if layout.zero >= 3 else 1)
     grads = local * per.grads / (d if layout.zero >= 2 else 1)
