@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from . import logs, models
 from .api import compile, plan
+from .calibrate import Profile, calibrate
 from .cluster import Cluster
 from .errors import (AutohybridError, CaptureError, ClusterError, NoPlanFitsError,
                      NotExecutableError, PlanError, RankFailure, RuntimeFailure)
@@ -18,7 +19,8 @@ __version__ = "0.1.0"
 logs.configure_from_env()
 
 __all__ = [
-    "AutohybridError", "CaptureError", "Cluster", "ClusterError", "Constraints",
+    "AutohybridError", "CaptureError", "Cluster", "ClusterError", "Constraints", "Profile",
+    "calibrate",
     "NoPlanFitsError", "NotExecutableError", "Plan", "PlanError", "RankFailure",
     "RuntimeFailure", "compile", "launch", "models", "plan",
 ]

@@ -68,13 +68,29 @@ def _batch_size(inputs: tuple) -> int:
     return int(inputs[0].shape[0])
 
 
+def load_calibration(calibration: Any) -> "Profile | None":
+    from .calibrate import Profile
+
+    if calibration is None or isinstance(calibration, Profile):
+        return calibration
+    return Profile.from_json(calibration)
+
+
 def make_plan(forward: CapturedGraph, train: CapturedGraph | None, model: nn.Module,
               cluster: Cluster, example_inputs: tuple, global_batch: int | None,
               dtype: torch.dtype | str | None, constraints: Constraints | None,
-              optimizer: str, executable_only: bool, model_ref: str | None = None) -> Plan:
-    """Search a plan for captured graphs (the training graph's costs when there is one)."""
+              optimizer: str, executable_only: bool, model_ref: str | None = None,
+              calibration: Any = None) -> Plan:
+    """Search a plan for captured graphs (the training graph's costs when there is one).
+
+    `calibration` (a Profile or its JSON path) replaces the cluster's figures with measured
+    ones; the plan records its hash.
+    """
     if constraints is not None and not isinstance(constraints, Constraints):
         raise PlanError(f"constraints must be ah.Constraints, got {type(constraints).__name__}")
+    profile_ = load_calibration(calibration)
+    if profile_ is not None:
+        cluster = profile_.apply(cluster)
     costed = train or forward
     profile = model_profile(costed.gm, costed.dim_roles)
     first = next(iter(model.parameters()), None)
@@ -84,7 +100,8 @@ def make_plan(forward: CapturedGraph, train: CapturedGraph | None, model: nn.Mod
         global_batch=int(global_batch or _batch_size(example_inputs)),
         seq=_seq_len(example_inputs), dtype=dtype_name(dtype, model), graph_dtype_bytes=width,
         optimizer=optimizer, constraints=constraints or Constraints(), model_ref=model_ref,
-        has_batch_norm=bool(training_batch_norms(costed.gm)))
+        has_batch_norm=bool(training_batch_norms(costed.gm)),
+        calibration_hash=profile_.hash() if profile_ is not None else None)
     if request.global_batch < 1:
         raise PlanError(f"global_batch must be a positive integer, got {global_batch!r}")
     return search(profile, cluster, request, unsupported, executable_only)
@@ -94,12 +111,14 @@ def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
          global_batch: int | None = None, dtype: torch.dtype | str | None = None,
          constraints: Constraints | None = None, loss_fn: Callable | None = None,
          example_targets: Any = None, optimizer: str = "adam",
-         model_ref: str | None = None, executable_only: bool = False) -> Plan:
+         model_ref: str | None = None, executable_only: bool = False,
+         calibration: Any = None) -> Plan:
     """Choose a plan without starting processes (the model may live on the meta device).
 
     Plans with features the runtime cannot execute yet are ranked too and marked
     (`plan.executable`, `plan.not_executable_because`); `executable_only=True` searches
-    only what `ah.compile` can run today.
+    only what `ah.compile` can run today. `calibration`: a profile from `ah.calibrate`
+    (or its JSON path) to price with this machine's measured figures.
     """
     cluster = _check_cluster(cluster)
     inputs = as_tuple(example_inputs)
@@ -108,7 +127,8 @@ def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
     if loss_fn is not None and example_targets is not None:
         train = capture(model, inputs, loss_fn, example_targets)
     return make_plan(forward, train, model, cluster, inputs, global_batch, dtype, constraints,
-                     optimizer, executable_only=executable_only, model_ref=model_ref)
+                     optimizer, executable_only=executable_only, model_ref=model_ref,
+                     calibration=calibration)
 
 
 def compile(model: nn.Module, cluster: Cluster, example_inputs: Any, *,

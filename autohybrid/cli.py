@@ -1,6 +1,7 @@
-"""`autohybrid` command line: plan a model for a cluster (more commands join as they land).
+"""`autohybrid` command line: plan a model for a cluster, calibrate this machine.
 
     autohybrid plan gpt3-175b --cluster dgx-a100-80gb --nodes 128 --global-batch 1536
+    autohybrid calibrate --world-size 2 --out calibration.json
 
 MODEL is a zoo preset (`autohybrid plan --list-models`) or `path/file.py:factory`.
 Exit status: 0 a plan was found, 2 no plan fits (the numbers are printed) or bad input.
@@ -42,6 +43,16 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--out", default=None, help="write the plan JSON to this file")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--list-models", action="store_true", help="list the zoo presets and exit")
+    plan.add_argument("--calibration", default=None,
+                      help="a profile from `autohybrid calibrate` (price with measured figures)")
+    calib = sub.add_parser(
+        "calibrate", help="measure this machine (matmul, element-wise, collectives)",
+        description="Time matmuls, a large element-wise add and all-reduces of several sizes "
+                    "on WORLD_SIZE local processes; fit the collective's latency and "
+                    "bandwidth; write the profile JSON that `plan --calibration` reads.")
+    calib.add_argument("--world-size", type=int, default=2, help="local processes (default 2)")
+    calib.add_argument("--out", default="calibration.json", help="profile file to write")
+    calib.add_argument("--json", action="store_true", help="print the profile as JSON")
     return parser
 
 
@@ -110,7 +121,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             inputs = tuple(t[:, : args.seq] if t.dim() >= 2 else t for t in inputs)
         plan = api.plan(model, cluster, inputs, global_batch=args.global_batch,
                         dtype=args.dtype, constraints=_constraints(args.constrain),
-                        model_ref=args.model)
+                        model_ref=args.model, calibration=args.calibration)
     except NoPlanFitsError as exc:
         print(f"no plan fits: {exc}", file=sys.stderr)
         if args.json:
@@ -131,11 +142,37 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from .calibrate import calibrate
+    from .cluster import Cluster
+    from .errors import AutohybridError
+
+    try:
+        profile = calibrate(Cluster.local(args.world_size) if args.world_size > 1 else None)
+    except AutohybridError as exc:
+        print(f"autohybrid calibrate: {exc}", file=sys.stderr)
+        return EXIT_NO_PLAN
+    profile.to_json(args.out)
+    if args.json:
+        print(profile.to_json(), end="")
+    else:
+        flops = ", ".join(f"{d} {v / 1e9:.1f} GFLOP/s" for d, v in profile.matmul_flops.items())
+        print(f"matmul {flops}; element-wise {profile.memory_bandwidth / 1e9:.1f} GB/s")
+        if profile.all_reduce_latency_s is not None:
+            bw = profile.all_reduce_bandwidth or float("inf")
+            print(f"all-reduce on {profile.world_size} ranks: α = "
+                  f"{profile.all_reduce_latency_s * 1e6:.1f} µs, 1/β = {bw / 1e9:.2f} GB/s")
+        print(f"wrote {args.out} (profile {profile.hash()})")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command == "plan":
         return cmd_plan(args)
+    if args.command == "calibrate":
+        return cmd_calibrate(args)
     parser.print_help()
     return 0
 

@@ -117,3 +117,19 @@ def test_bad_input_exits_2_with_a_message(capsys) -> None:
     code, _, err = _main(capsys, "plan", "gpt-tiny", "--cluster", "local:2", "--global-batch", "7",
                          "--constrain", "tp=1,pp=1")
     assert code == 2 and "multiple of 2" in err
+
+
+@pytest.mark.timeout(120)
+def test_calibrate_then_plan_with_the_profile(tmp_path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "calibration.json"
+    proc = subprocess.run([sys.executable, "-m", "autohybrid.cli", "calibrate", "--world-size",
+                           "2", "--out", str(out)], env=env, capture_output=True, text=True,
+                          timeout=110)
+    assert proc.returncode == 0, proc.stderr
+    profile = ah.Profile.from_json(out)
+    assert f"profile {profile.hash()}" in proc.stdout and "all-reduce on 2 ranks" in proc.stdout
+    code = cli.main(["plan", "gpt-tiny", "--cluster", "local:2", "--calibration", str(out),
+                     "--out", str(tmp_path / "plan.json")])
+    assert code == 0
+    assert ah.Plan.from_json(tmp_path / "plan.json").calibration_hash == profile.hash()

@@ -42,6 +42,7 @@ class PlanRequest:
     constraints: Constraints = Constraints()
     model_ref: str | None = None
     has_batch_norm: bool = False
+    calibration_hash: str | None = None
 
 
 @dataclass(frozen=True)
@@ -291,7 +292,8 @@ def _plan_for(layout: Layout, request: PlanRequest, cluster, cluster_hash: str,
         virtual_stages=layout.virtual_stages, stage_boundaries=boundaries,
         recompute=layout.recompute, zero=layout.zero, bucket_mb=layout.bucket_mb,
         collective_algorithm=pinned.collective_algorithm or "flat",
-        collective_matmul=bool(pinned.collective_matmul), model_ref=request.model_ref)
+        collective_matmul=bool(pinned.collective_matmul), model_ref=request.model_ref,
+        calibration_hash=request.calibration_hash)
 
 
 def _make_plan(best: Candidate, profile: ModelProfile, cluster, request: PlanRequest,

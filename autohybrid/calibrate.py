@@ -1,0 +1,181 @@
+"""Measure this machine: matmul and element-wise throughput, collective α and β.
+
+    profile = ah.calibrate(ah.Cluster.local(2))      # or: autohybrid calibrate --world-size 2
+    profile.to_json("calibration.json")
+    plan = ah.plan(model, cluster, inputs, calibration=profile)   # plan.calibration_hash set
+
+The cost model keeps its documented efficiencies; a profile replaces the cluster's device
+and link figures so that efficiency × figure equals what was measured here (`apply`).
+Collectives are timed on real processes (`ah.launch`), α and β fitted by least squares on
+the ring all-reduce formula T(n) = 2(p−1)α + 2(p−1)/p · n · β.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .cluster import Cluster
+from .cost.compute import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
+from .errors import AutohybridError
+from .hardware import LinkSpec
+
+PROFILE_VERSION = 1
+ALL_REDUCE_SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """What calibration measured (achieved figures, not peaks)."""
+
+    machine: str
+    matmul_flops: dict[str, float]                 # dtype → achieved FLOP/s
+    memory_bandwidth: float                        # bytes/s of a large element-wise add
+    world_size: int = 1
+    all_reduce_latency_s: float | None = None      # α
+    all_reduce_bandwidth: float | None = None      # 1/β, bytes/s
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    version: int = PROFILE_VERSION
+
+    def hash(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, path_or_text: str | Path) -> "Profile":
+        text = str(path_or_text)
+        if not text.lstrip().startswith("{"):
+            text = Path(path_or_text).read_text()
+        data = json.loads(text)
+        if data.get("version") != PROFILE_VERSION:
+            raise AutohybridError(f"calibration profile version {data.get('version')!r} is not "
+                                  f"{PROFILE_VERSION}; run `autohybrid calibrate` again")
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise AutohybridError(f"unknown field {sorted(unknown)[0]!r} in calibration profile")
+        return cls(**data)
+
+    def apply(self, cluster: Cluster) -> Cluster:
+        """`cluster` with the measured figures (peak = measured / the model's efficiency)."""
+        peaks = dict(cluster.device.peak_flops)
+        for dtype, flops in self.matmul_flops.items():
+            peaks[dtype] = flops / MATMUL_EFFICIENCY
+        device = replace(cluster.device, peak_flops=peaks,
+                         memory_bandwidth=self.memory_bandwidth / MEMORY_EFFICIENCY,
+                         source=f"calibrated on {self.machine} ({self.hash()})")
+        out = replace(cluster, device=device)
+        if self.all_reduce_latency_s is not None and self.all_reduce_bandwidth is not None:
+            link = LinkSpec(name=f"{cluster.intra_link.name}-calibrated",
+                            bandwidth=self.all_reduce_bandwidth,
+                            latency_s=self.all_reduce_latency_s,
+                            source=f"calibrated on {self.machine} ({self.hash()})")
+            out = replace(out, intra_link=link)
+        return out
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_matmul(size: int, dtype: torch.dtype, repeats: int = 5, device: str = "cpu") -> float:
+    """Achieved FLOP/s of a square matmul of `size`."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def run():
+        torch.mm(a, b)
+        sync()
+    return 2 * size**3 / _timed(run, repeats)
+
+
+def measure_bandwidth(numel: int = 1 << 23, repeats: int = 5, device: str = "cpu") -> float:
+    """Bytes/s of `out = a + b` on float32 tensors (two reads, one write)."""
+    a, b = torch.randn(numel, device=device), torch.randn(numel, device=device)
+    out = torch.empty_like(a)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def run():
+        torch.add(a, b, out=out)
+        sync()
+    return 3 * 4 * numel / _timed(run, repeats)
+
+
+def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], ranks: int) -> tuple[float, float]:
+    """Least-squares α, β of T(n) = 2(p−1)α + 2(p−1)/p · n · β (both kept ≥ 0)."""
+    xs = [2 * (ranks - 1) / ranks * n for n in sizes]
+    c = 2 * (ranks - 1)
+    mean_x, mean_t = statistics.fmean(xs), statistics.fmean(times)
+    var = sum((x - mean_x) ** 2 for x in xs)
+    beta = sum((x - mean_x) * (t - mean_t) for x, t in zip(xs, times)) / var if var else 0.0
+    beta = max(beta, 0.0)
+    alpha = max((mean_t - beta * mean_x) / c, 0.0)
+    return alpha, beta
+
+
+def _time_all_reduce(sizes: Sequence[int], repeats: int) -> list[float]:
+    out = []
+    for nbytes in sizes:
+        t = torch.zeros(nbytes // 4)
+
+        def run():
+            dist.all_reduce(t)
+        dist.barrier()
+        out.append(_timed(run, repeats))
+    return out
+
+
+def _measure(rank: int, matmul_sizes: Sequence[int], dtypes: Sequence[torch.dtype],
+             repeats: int, all_reduce_sizes: Sequence[int], device: str) -> dict:
+    """One rank's figures; all ranks measure at once, as they will train (contention)."""
+    flops = {str(d).removeprefix("torch."): max(measure_matmul(s, d, repeats, device)
+                                                for s in matmul_sizes) for d in dtypes}
+    result = {"flops": flops, "bandwidth": measure_bandwidth(repeats=repeats, device=device)}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        result["all_reduce_s"] = _time_all_reduce(all_reduce_sizes, max(repeats, 20))
+    return result
+
+
+def calibrate(cluster: Cluster | None = None, *, matmul_sizes: Sequence[int] = (256, 512, 1024),
+              dtypes: Sequence[torch.dtype] = (torch.float32,), repeats: int = 5,
+              all_reduce_sizes: Sequence[int] = ALL_REDUCE_SIZES) -> Profile:
+    """Measure this machine, per rank of `cluster` (one process per rank when local)."""
+    device = "cuda" if cluster is not None and cluster.device_type == "cuda" else "cpu"
+    args = (tuple(matmul_sizes), tuple(dtypes), repeats, tuple(all_reduce_sizes), device)
+    if cluster is None or cluster.world_size < 2:
+        results = [_measure(0, *args)]
+    else:
+        from .runtime.launch import launch
+        results = launch(_measure, cluster, args=args)
+    flops = {d: min(r["flops"][d] for r in results) for d in results[0]["flops"]}
+    profile = Profile(machine=f"{platform.node()} {platform.machine()} {device}",
+                      matmul_flops=flops,
+                      memory_bandwidth=min(r["bandwidth"] for r in results),
+                      world_size=len(results))
+    if "all_reduce_s" not in results[0]:
+        return profile
+    times = [max(r["all_reduce_s"][i] for r in results) for i in range(len(all_reduce_sizes))]
+    alpha, beta = fit_alpha_beta(all_reduce_sizes, times, len(results))
+    return replace(profile, all_reduce_latency_s=alpha,
+                   all_reduce_bandwidth=(1 / beta) if beta > 0 else None,
+                   samples={"all_reduce_bytes": [float(s) for s in all_reduce_sizes],
+                            "all_reduce_s": times})

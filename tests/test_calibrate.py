@@ -1,0 +1,72 @@
+"""Calibration: measured figures, α–β fit, profile JSON, and plans that use a profile."""
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+import autohybrid as ah
+from autohybrid.calibrate import Profile, calibrate, fit_alpha_beta
+from autohybrid.cost.compute import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
+from autohybrid.errors import AutohybridError
+
+
+@pytest.mark.timeout(30)
+def test_alpha_beta_fit_recovers_the_ring_formula():
+    rng = random.Random(3)
+    for ranks in (2, 4, 8):
+        alpha, beta = rng.uniform(1e-6, 1e-3), rng.uniform(1e-11, 1e-8)
+        sizes = [4096, 65536, 1 << 20, 1 << 23]
+        times = [2 * (ranks - 1) * alpha + 2 * (ranks - 1) / ranks * n * beta for n in sizes]
+        got_alpha, got_beta = fit_alpha_beta(sizes, times, ranks)
+        assert got_alpha == pytest.approx(alpha, rel=1e-6)
+        assert got_beta == pytest.approx(beta, rel=1e-6)
+
+
+def _profile(**kw) -> Profile:
+    base = dict(machine="test", matmul_flops={"float32": 5e10}, memory_bandwidth=1e10,
+                world_size=2, all_reduce_latency_s=1e-4, all_reduce_bandwidth=2e9)
+    return Profile(**{**base, **kw})
+
+
+@pytest.mark.timeout(30)
+def test_profile_json_round_trip_and_validation(tmp_path):
+    profile = _profile()
+    path = tmp_path / "c.json"
+    profile.to_json(path)
+    assert Profile.from_json(path) == profile and Profile.from_json(path).hash() == profile.hash()
+    data = json.loads(path.read_text())
+    with pytest.raises(AutohybridError, match="version"):
+        Profile.from_json(json.dumps({**data, "version": 99}))
+    with pytest.raises(AutohybridError, match="colour"):
+        Profile.from_json(json.dumps({**data, "colour": "red"}))
+
+
+@pytest.mark.timeout(30)
+def test_apply_makes_efficiency_times_figure_equal_the_measurement():
+    cluster = _profile().apply(ah.Cluster.local(2))
+    assert cluster.device.peak_flops["float32"] * MATMUL_EFFICIENCY == pytest.approx(5e10)
+    assert cluster.device.memory_bandwidth * MEMORY_EFFICIENCY == pytest.approx(1e10)
+    assert cluster.intra_link.latency_s == 1e-4 and cluster.intra_link.bandwidth == 2e9
+    assert cluster.world_size == 2
+
+
+@pytest.mark.timeout(120)
+def test_calibrate_measures_two_local_ranks_and_plans_use_it():
+    profile = calibrate(ah.Cluster.local(2), matmul_sizes=(128, 256), repeats=3)
+    assert profile.world_size == 2 and profile.matmul_flops["float32"] > 1e8
+    assert profile.memory_bandwidth > 1e8
+    assert profile.all_reduce_latency_s is not None and len(profile.samples["all_reduce_s"]) == 4
+    model = ah.models.preset("gpt-tiny")
+    (tokens,), _ = ah.models.example_batch(model, 8)
+    plain = ah.plan(model, ah.Cluster.local(2), (tokens,), executable_only=True)
+    slow = _profile(matmul_flops={"float32": 1e9}, memory_bandwidth=1e9)
+    fast = _profile(matmul_flops={"float32": 1e12}, memory_bandwidth=1e12)
+    slow_plan = ah.plan(model, ah.Cluster.local(2), (tokens,), executable_only=True,
+                        calibration=slow)
+    fast_plan = ah.plan(model, ah.Cluster.local(2), (tokens,), executable_only=True,
+                        calibration=fast)
+    assert plain.calibration_hash is None and slow_plan.calibration_hash == slow.hash()
+    # 1000× slower figures; per-op launch overhead (not calibrated) is the same in both
+    assert slow_plan.predicted.compute_s > 10 * fast_plan.predicted.compute_s
