@@ -24,6 +24,8 @@ import torch.nn.functional as F
 
 import autohybrid as ah
 
+from _procs import is_dead, live_children  # noqa: F401  (re-exported for the tests)
+
 ZOO = ("mlp-tiny", "gpt-tiny", "llama-tiny", "resnet-tiny")
 
 OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
@@ -182,32 +184,6 @@ def shard_sizes(n: int, parts: int) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- processes
-def live_children(pid: int) -> list[int]:
-    """Non-zombie processes whose parent is `pid`, except multiprocessing's resource
-    tracker (started once per interpreter by spawn, not by launch)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == pid and fields[0] != "Z" and b"resource_tracker" not in cmdline:
-            out.append(int(entry.name))
-    return out
-
-
-def is_dead(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return True
-    return state == "Z"
-
-
 def wait_dead(pids: Sequence[int], timeout_s: float = 5.0) -> list[int]:
     """The pids still alive after waiting up to `timeout_s`."""
     deadline = time.monotonic() + timeout_s

@@ -17,38 +17,15 @@ import torch.distributed as dist
 from autohybrid.errors import ClusterError, RankFailure, RuntimeFailure
 from autohybrid.runtime.launch import free_port, launch
 
+from _procs import is_dead as _is_dead
+from _procs import live_children as _live_children
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _cluster(ws: int) -> types.SimpleNamespace:
     return types.SimpleNamespace(world_size=ws, backend="gloo", device_type="cpu",
                                  is_local=True)
-
-
-def _live_children(pid: int) -> list[int]:
-    """Non-zombie processes whose parent is `pid` (from /proc), except multiprocessing's
-    interpreter-wide resource tracker (started once by spawn, not by launch)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == pid and fields[0] != "Z" and b"resource_tracker" not in cmdline:
-            out.append(int(entry.name))
-    return out
-
-
-def _is_dead(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return True
-    return state == "Z"
 
 
 def _assert_all_dead(pids: list[int]) -> None:

@@ -210,6 +210,36 @@ def test_opaque_losses_run_unsplit_and_are_refused_when_split(name: str) -> None
         assert repr(loss_node.name) in text and op in text and f"{dp * count} batch shards" in text
 
 
+MIXING = {
+    "centred_by_the_batch_mean": lambda o, t: F.mse_loss(o - o.mean(0), t),
+    "normalized_by_the_batch_max": lambda o, t: ((o / o.abs().amax(0)) - t).pow(2).mean(),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", list(MIXING))
+def test_losses_that_combine_samples_before_the_reduction_are_refused_when_split(name):
+    """`F.mse_loss(o - o.mean(0), t)` ends in a splittable mean, but its input already
+    mixes the shard's samples: split, the shards would not add up to eager's loss."""
+    loss_fn = MIXING[name]
+    g = torch.Generator().manual_seed(2)
+    model = Net().double()
+    x, t = _inputs(Net, g), _reals(g)
+    cap = capture(model, (x[:4],), loss_fn, (t[:4],))
+    ctx = train_context(cap, make_plan())
+    program = rewritten(cap, ctx, run_passes(cap.gm, ctx, [("global_loss", global_loss)]))
+    num, den = program.run(cap.default_state(model), (x,), (t,))
+    torch.testing.assert_close(num / den, loss_fn(model(x), t))  # one shard: exact
+    halves = [program.run(cap.default_state(model), (x[s],), (t[s],))
+              for s in (slice(0, BATCH // 2), slice(BATCH // 2, None))]
+    split = sum(n for n, _ in halves) / sum(d for _, d in halves)
+    assert not torch.allclose(split, loss_fn(model(x), t))  # why splitting must be refused
+    for dp, count in [(2, 1), (1, 2)]:
+        ctx = train_context(cap, make_plan(dp=dp, num_microbatches=count))
+        with pytest.raises(ah.PlanError, match="combines the samples"):
+            run_passes(cap.gm, ctx, [("global_loss", global_loss)])
+
+
 # --------------------------------------------------------------------------- batch norm
 
 

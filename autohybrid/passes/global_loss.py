@@ -62,8 +62,10 @@ def global_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     else:
         kind, denominator = _rewrite(gm, reduction, created)
         loss = out.args[0][index]  # the rewrite replaces the loss node when it is the mean
+    shards = ctx.plan.mesh.dp * ctx.plan.num_microbatches
+    if shards > 1 and reduction is not None and not mixed:
+        _refuse_sample_mixing(gm, loss, reduction, shards)
     if kind == "opaque":
-        shards = ctx.plan.mesh.dp * ctx.plan.num_microbatches
         why = (f" (its final reduction {reduction.name!r} reduces {reduction.args[0].name!r}, "
                "which has no batch dimension left: samples were combined before it, e.g. "
                "by .mean(0))") if mixed else ""
@@ -87,6 +89,36 @@ def global_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     out.args = (tuple(outputs),)
     ctx.notes["loss_kind"] = kind
     return gm
+
+
+def _refuse_sample_mixing(gm: fx.GraphModule, loss: fx.Node, reduction: fx.Node,
+                          shards: int) -> None:
+    """PlanError if any node before the loss's final reduction combines samples.
+
+    A node whose tensor input has a batch dim but whose output has none (`x.mean(0)`,
+    `x.sum(0)`) computes something of the whole shard, so shards would not add up to the
+    global batch's value (BatchNorm is rewritten to global statistics separately).
+    """
+    batch = _batch_symbols(gm)
+    final = {loss, reduction}
+    node = loss
+    while node is not reduction and node.op == "call_function" and node.args:
+        node = node.args[0]
+        final.add(node)
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node in final:
+            continue
+        out = node.meta.get(VAL)
+        if not isinstance(out, torch.Tensor) or _has_batch_dim(node, batch):
+            continue
+        if any(isinstance(a.meta.get(VAL), torch.Tensor) and _has_batch_dim(a, batch)
+               and a.meta[VAL].dim() > 0 for a in node.all_input_nodes):
+            raise PlanError(
+                f"node {node.name!r} ({op_name(node)}, `{source_line(node)}`) combines the "
+                f"samples of a batch before the loss's final reduction, so {shards} batch shards "
+                "would not give eager's result on the whole batch. Compute per-sample values "
+                "and reduce them once at the end of the loss, or run with dp=1 and one "
+                "microbatch")
 
 
 def _batch_symbols(gm: fx.GraphModule) -> set:
