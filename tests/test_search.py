@@ -145,3 +145,23 @@ def test_planner_prefers_interleaving_for_llama3_405b_on_512_gpus():
     assert interleaved.virtual_stages > 1
     speedup = one_f_one_b.predicted.step_time_s / interleaved.predicted.step_time_s
     assert 1.05 < speedup < 1.6  # measured: 128 / 100 = 1.28
+
+
+@pytest.mark.timeout(60)
+def test_plans_with_tp_carry_the_sharding_of_every_split_node():
+    model = ah.models.preset("gpt-tiny", device="meta")
+    (tokens,), _ = ah.models.example_batch(model, 8, device="meta")
+    cluster = ah.Cluster.preset("dgx-a100-80gb")
+    plan = ah.plan(model, cluster, (tokens,), constraints=ah.Constraints(tp=2, pp=1))
+    placed = {s.node: s.placement for s in plan.shardings}
+    assert placed["blocks.0.attn.qkv.weight"] == "shard(0)"        # column
+    assert placed["blocks.0.attn.proj.weight"] == "shard(1)"       # row
+    assert placed["tok_emb.weight"] == "shard(0)"                  # vocabulary (tied head)
+    assert placed["scaled_dot_product_attention"] == "shard(1)"            # heads
+    forward = capture(model, (tokens,), with_loss=False)
+    rows = [n.name for n in forward.gm.graph.nodes if n.target is torch.ops.aten.linear.default
+            and n.args[1].name.endswith("proj_weight")]
+    assert rows and all(placed[name] == "partial" for name in rows)
+    assert ah.Plan.from_json(plan.to_json()) == plan
+    dp_only = ah.plan(model, cluster, (tokens,), constraints=ah.Constraints(tp=1, pp=1))
+    assert dp_only.shardings == ()

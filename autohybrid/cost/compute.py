@@ -37,7 +37,10 @@ _SAVES_NOTHING = frozenset({"aten.add.Tensor", "aten.sub.Tensor", "aten.neg.defa
                             "aten.arange.default", "aten.arange.start", "aten.zeros.default",
                             "aten.ones.default", "aten.full.default", "aten.copy_.default",
                             "aten._to_copy.default", "aten.to.dtype", "aten.ones_like.default",
-                            "aten.zeros_like.default", "aten.new_zeros.default"})
+                            "aten.zeros_like.default", "aten.new_zeros.default",
+                            "aten.mean.dim", "aten.mean.default", "aten.sum.default",
+                            "aten.sum.dim_IntList", "aten.type_as.default",
+                            "aten.scalar_tensor.default", "aten.ne.Scalar", "aten.eq.Scalar"})
 _SAVES_OUTPUT = frozenset({"aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int",
                            "aten.tanh.default", "aten.sigmoid.default", "aten.exp.default",
                            "aten.relu.default", "aten.relu_.default", "aten.rsqrt.default"})
@@ -106,19 +109,49 @@ def bytes_moved(node: fx.Node) -> sympy.Expr:
     return sum((nbytes_expr(t) for t in ins + outs), sympy.Integer(0))
 
 
-def saved_nodes(node: fx.Node) -> list[fx.Node]:
-    """Nodes whose values autograd keeps for this op's backward (tensors that need it)."""
+def grad_nodes(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes whose values require grad: parameters and everything computed from them."""
+    out: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            if node.meta.get(AH_ROLE) == "param":
+                out.add(node)
+        elif node.op == "call_function" and any(a in out for a in node.all_input_nodes):
+            val = node.meta.get(VAL)
+            if any(t.is_floating_point() for t in _tensors(val)):
+                out.add(node)
+    return out
+
+
+def saved_nodes(node: fx.Node, needs_grad: set[fx.Node] | None = None) -> list[fx.Node]:
+    """Nodes whose values autograd keeps for this op's backward.
+
+    With `needs_grad` (from `grad_nodes`), an op that no gradient flows through saves
+    nothing, and a product saves each factor only for the gradient of the other one.
+    """
     name = op_name(node)
     if node.op != "call_function" or name in VIEW_OPS or name in _SAVES_NOTHING:
         return []
     if node.target is operator.getitem:
         return []
+    if needs_grad is not None and node not in needs_grad:
+        return []
     if name in _SAVES_OUTPUT:
         return [node]
-    saved = [a for a in node.args if isinstance(a, fx.Node) and isinstance(a.meta.get(VAL), torch.Tensor)]
+    tensors = [a for a in node.args if isinstance(a, fx.Node)
+               and isinstance(a.meta.get(VAL), torch.Tensor)]
+    if needs_grad is not None and name in ("aten.mul.Tensor", "aten.div.Tensor") \
+            and len(tensors) == 2:
+        a, b = tensors
+        saved = [b] if a in needs_grad else []
+        if b in needs_grad:
+            saved.append(a)
+            if name == "aten.div.Tensor":
+                saved.append(b)
+        return saved
     if name == "aten.scaled_dot_product_attention.default":
-        saved.append(node)
-    return saved
+        tensors.append(node)
+    return tensors
 
 
 @dataclass(frozen=True)
@@ -145,6 +178,7 @@ def graph_cost(gm: fx.GraphModule, dim_roles: dict[sympy.Symbol, str]) -> GraphC
     saved: dict[str, fx.Node] = {}
     param_count = param_bytes = 0
     seen_params: set[str] = set()
+    needs_grad = grad_nodes(gm)
     num_ops = 0
     for node in gm.graph.nodes:
         if node.op == "placeholder" and node.meta.get(AH_ROLE) == "param":
@@ -162,7 +196,7 @@ def graph_cost(gm: fx.GraphModule, dim_roles: dict[sympy.Symbol, str]) -> GraphC
             num_ops += 1
         (mm if name in MATMUL_OPS else other).append(forward_flops(node))
         moved.append(bytes_moved(node))
-        for s in saved_nodes(node):
+        for s in saved_nodes(node, needs_grad):
             if s.meta.get(AH_ROLE) in ("param", "buffer", "constant"):
                 continue
             saved.setdefault(s.name, s)

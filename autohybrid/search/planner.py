@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 
 from ..cost.memory import usable_bytes
 from ..errors import NoPlanFitsError, NotExecutableError, PlanError
-from ..plan import Alternative, Constraints, Mesh, Plan, RankPlacement
+from ..plan import Alternative, Constraints, Mesh, NodeSharding, Plan, RankPlacement
 from .pricing import Layout, Priced, price
 from .space import ModelProfile
 
@@ -306,7 +306,18 @@ def _make_plan(best: Candidate, profile: ModelProfile, cluster, request: PlanReq
     cluster_hash = hashlib.sha256(cluster.to_json().encode()).hexdigest()[:16]
     plan = _plan_for(best.layout, request, cluster, cluster_hash, placement, boundaries)
     return replace(plan, predicted=best.priced.prediction, executable=best.executable,
-                   not_executable_because=best.unsupported)
+                   not_executable_because=best.unsupported,
+                   shardings=_shardings(profile) if best.layout.mesh.tp > 1 else ())
+
+
+def _shardings(profile: ModelProfile) -> tuple[NodeSharding, ...]:
+    """Every node and parameter the tp axis splits (all others are replicated)."""
+    layout = profile.layout
+    placed = {**layout.placements, **layout.param_placements}
+    for name, role in layout.linear_roles.items():
+        if role == "row":
+            placed[name] = "partial"  # before its all-reduce
+    return tuple(NodeSharding(node, p) for node, p in sorted(placed.items()) if p != "replicate")
 
 
 def _alternatives(best: Candidate, candidates: list[Candidate]) -> tuple[Alternative, ...]:

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from ..cost.compute import nbytes_expr, sym_expr
-from ..graph import AH_ROLE, VAL, op_name
+from ..graph import AH_PARAM, AH_ROLE, VAL, op_name
 
 R = "replicate"
 P = "partial"
@@ -42,6 +42,11 @@ _ELEMENTWISE_PREFIXES = ("aten.add.", "aten.sub.", "aten.mul.", "aten.div.", "at
                          "aten.clone.", "aten._to_copy.", "aten.to.", "aten.contiguous.",
                          "aten.cos.", "aten.sin.", "aten.rsqrt.", "aten.sqrt.",
                          "aten.alias.", "aten.detach.", "aten.type_as.")
+
+
+def param_key(node: fx.Node) -> str:
+    """A parameter's canonical name (tied weights share one), else the node's name."""
+    return node.meta.get(AH_PARAM, node.name)
 
 
 def shard(dim: int) -> str:
@@ -66,7 +71,7 @@ class TensorParallelLayout:
 
     placements: dict[str, str] = field(default_factory=dict)
     linear_roles: dict[str, str] = field(default_factory=dict)   # "column" | "row" | "replicate"
-    param_placements: dict[str, str] = field(default_factory=dict)
+    param_placements: dict[str, str] = field(default_factory=dict)  # by canonical name
     collectives: list[Collective] = field(default_factory=list)
 
     def is_sharded(self, node: fx.Node) -> bool:
@@ -206,7 +211,7 @@ def megatron_layout(gm: fx.GraphModule) -> TensorParallelLayout:
             _linear(node, layout)
             continue
         if name == "aten.embedding.default":
-            layout.param_placements[node.args[0].name] = shard(0)
+            layout.param_placements[param_key(node.args[0])] = shard(0)
             place[node.name] = R
             layout.collectives.append(Collective(node.name, "all_reduce", "forward",
                                                  nbytes_expr(_val(node))))
@@ -244,7 +249,7 @@ def _linear(node: fx.Node, layout: TensorParallelLayout) -> None:
     x_dim = shard_dim(place.get(x.name, R))
     if x_dim is not None and x_dim == _val(x).dim() - 1:  # row-parallel: partial → all-reduce
         layout.linear_roles[node.name] = "row"
-        layout.param_placements[weight.name] = shard(1)
+        layout.param_placements[param_key(weight)] = shard(1)
         place[node.name] = R
         layout.collectives.append(Collective(node.name, "all_reduce", "forward",
                                              nbytes_expr(out)))
@@ -254,9 +259,9 @@ def _linear(node: fx.Node, layout: TensorParallelLayout) -> None:
                                              nbytes_expr(_val(x))))
     if _flows_to_consumer_that_shards(node, out.dim() - 1):
         layout.linear_roles[node.name] = "column"
-        layout.param_placements[weight.name] = shard(0)
+        layout.param_placements[param_key(weight)] = shard(0)
         if isinstance(bias, fx.Node):
-            layout.param_placements[bias.name] = shard(0)
+            layout.param_placements[param_key(bias)] = shard(0)
         place[node.name] = shard(out.dim() - 1)
         # Megatron's f: one backward all-reduce per distinct input (q, k, v share theirs)
         already = any(c.direction == "backward" and c.node == x.name for c in layout.collectives)

@@ -17,10 +17,10 @@ import torch
 import torch.fx as fx
 
 from ..cost.compute import (MATMUL_OPS, _tensors, bytes_moved, forward_flops, nbytes_expr,
-                            numel_expr, saved_nodes, sym_expr)
+                            grad_nodes, numel_expr, saved_nodes, sym_expr)
 from ..graph import AH_PARAM, AH_ROLE, VAL, VIEW_OPS, op_name
 from .layers import Layer, segment
-from .sharding import R, TensorParallelLayout, megatron_layout
+from .sharding import R, TensorParallelLayout, megatron_layout, param_key
 
 #: Order of the per-layer quantities evaluated together (one compiled function per layer).
 FIELDS = ("mm_sharded", "mm_replicated", "other_sharded", "other_replicated",
@@ -66,9 +66,12 @@ def profile(gm: fx.GraphModule, dim_roles: dict[sympy.Symbol, str]) -> ModelProf
     subs = {s: (batch if role == "batch" else seq) for s, role in dim_roles.items()}
     compiled: dict[str, tuple] = {}
     layers = []
+    needs_grad = grad_nodes(gm)
+    saved_anywhere = {s for n in gm.graph.nodes for s in saved_nodes(n, needs_grad)}
     for layer in segment(gm):
         if layer.signature not in compiled:
-            compiled[layer.signature] = _compile_layer(layer, layout, subs, batch, seq)
+            compiled[layer.signature] = _compile_layer(layer, layout, subs, batch, seq,
+                                                       needs_grad, saved_anywhere)
         values, collectives, num_ops = compiled[layer.signature]
         layers.append(LayerProfile(layer.name, layer.signature, _layer_params(layer, layout),
                                    num_ops, values, collectives))
@@ -79,11 +82,12 @@ def profile(gm: fx.GraphModule, dim_roles: dict[sympy.Symbol, str]) -> ModelProf
 
 
 def _layer_params(layer: Layer, layout: TensorParallelLayout) -> tuple[tuple[str, int, bool], ...]:
-    return tuple((p.meta.get(AH_PARAM, p.name), p.meta[VAL].numel(),
-                  layout.param_placements.get(p.name, R) != R) for p in layer.params())
+    return tuple((param_key(p), p.meta[VAL].numel(),
+                  layout.param_placements.get(param_key(p), R) != R) for p in layer.params())
 
 
-def _compile_layer(layer: Layer, layout: TensorParallelLayout, subs: dict, batch, seq):
+def _compile_layer(layer: Layer, layout: TensorParallelLayout, subs: dict, batch, seq,
+                   needs_grad: set[fx.Node], saved_anywhere: set[fx.Node]):
     sums = {name: [] for name in FIELDS}
     saved: dict[str, fx.Node] = {}
     num_ops = 0
@@ -103,11 +107,18 @@ def _compile_layer(layer: Layer, layout: TensorParallelLayout, subs: dict, batch
             q, k = node.args[0].meta[VAL], node.args[1].meta[VAL]  # (B, H, Tq, D), (B, H, Tk, D)
             sums["attention_scores"].append(numel_expr(q) / sym_expr(q.shape[-1])
                                             * sym_expr(k.shape[-2]))
-        for s in saved_nodes(node):
-            if s.meta.get(AH_ROLE) not in ("param", "buffer", "constant"):
-                saved.setdefault(s.name, s)
-                if name == "aten.scaled_dot_product_attention.default" and s is node:
-                    sums["attention_saved"].extend(nbytes_expr(t) for t in _tensors(s.meta[VAL]))
+        for s in saved_nodes(node, needs_grad):
+            # a value saved by ops of several layers is counted once: by the layer that
+            # computes it (graph inputs: by the layer that saves them)
+            external = s not in members
+            if s.meta.get(AH_ROLE) in ("param", "buffer", "constant") or \
+                    (external and s.op != "placeholder"):
+                continue
+            saved.setdefault(s.name, s)
+            if name == "aten.scaled_dot_product_attention.default" and s is node:
+                sums["attention_saved"].extend(nbytes_expr(t) for t in _tensors(s.meta[VAL]))
+        if node in saved_anywhere:
+            saved.setdefault(node.name, node)
     for s in saved.values():
         part = "sharded" if layout.is_sharded(s) else "replicated"
         sums[f"saved_{part}"].extend(nbytes_expr(t) for t in _tensors(s.meta.get(VAL)))
