@@ -6,7 +6,7 @@ the module that owns it; this file only wires them and checks user input.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn as nn
@@ -19,6 +19,10 @@ from .plan import Constraints, Plan
 from .runtime.features import unsupported
 from .search.planner import PlanRequest, search
 from .search.space import profile as model_profile
+
+if TYPE_CHECKING:  # imported lazily at run time (calibrate and runtime sit above api)
+    from .calibrate import Profile
+    from .compiled import CompiledModel
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -140,7 +144,7 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
 
     Call it on every rank (inside `ah.launch` or torchrun) with the same arguments.
     """
-    from .runtime.compiled import CompiledModel
+    from .compiled import CompiledModel
 
     cluster = _check_cluster(cluster)
     if any(p.device.type == "meta" for p in model.parameters()):

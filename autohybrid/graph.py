@@ -72,10 +72,6 @@ def source_line(node: fx.Node) -> str:
     return trace[-1].strip() if trace else ""
 
 
-def fake_value(node: fx.Node) -> Any:
-    return node.meta.get(VAL)
-
-
 def placeholders(gm: fx.GraphModule, role: str | None = None) -> list[fx.Node]:
     nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return [n for n in nodes if role is None or n.meta.get(AH_ROLE) == role]

@@ -7,7 +7,6 @@ This module reads graphs and device figures; it does not know about plans or mes
 """
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -214,25 +213,6 @@ def graph_cost(gm: fx.GraphModule, dim_roles: dict[sympy.Symbol, str]) -> GraphC
                      num_ops=num_ops)
 
 
-def step_compute_time(cost: GraphCost, batch: int, seq: int | None, peak_flops: float,
-                      memory_bandwidth: float, *, recompute_forward: bool = False) -> float:
-    """Forward + backward time of one microbatch on one device (roofline per op class).
-
-    Backward costs twice the forward (two matmuls per forward matmul; element-wise
-    backward reads and writes about twice as much), so a step is 3× forward, 4× with
-    full recomputation.
-    """
-    passes = 4.0 if recompute_forward else 3.0
-    matmul_s = cost.matmul_flops(batch, seq) / (peak_flops * MATMUL_EFFICIENCY)
-    memory_s = cost.memory_bytes(batch, seq) / (memory_bandwidth * MEMORY_EFFICIENCY)
-    other_s = cost.other_flops(batch, seq) / peak_flops
-    return passes * (matmul_s + max(memory_s, other_s)) + passes * cost.num_ops * LAUNCH_OVERHEAD_S
-
-
 def model_flops_per_step(cost: GraphCost, batch: int, seq: int | None) -> float:
     """Model FLOPs of one optimizer step over `batch` samples (forward + backward)."""
     return 3.0 * cost.flops(batch, seq)
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b) if b else math.inf  # type: ignore[return-value]

@@ -52,11 +52,5 @@ def training_state(param_count: int, dtype: str, optimizer: str, zero: int, dp: 
     return MemoryBreakdown(params=int(params), grads=int(grads), optimizer=int(optim))
 
 
-def activation_bytes(saved_per_microbatch: float, in_flight: int, graph_dtype_bytes: int,
-                     dtype: str) -> int:
-    """Saved activations of `in_flight` microbatches, rescaled to the planned dtype."""
-    return int(saved_per_microbatch * in_flight * dtype_bytes(dtype) / graph_dtype_bytes)
-
-
 def usable_bytes(device_memory: int) -> int:
     return int(device_memory * (1.0 - MEMORY_HEADROOM))

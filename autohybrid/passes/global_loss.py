@@ -19,7 +19,6 @@ Example::
 """
 from __future__ import annotations
 
-import operator
 
 import torch
 import torch.fx as fx

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..capture import CapturedGraph
-from ..errors import AutohybridError, RuntimeFailure
+from ..errors import AutohybridError
 from ..plan import Plan
 from .reducer import GradReducer
 
@@ -159,7 +159,3 @@ def check_same_plan(plan_hash: str, group: dist.ProcessGroup | None = None) -> N
         table = ", ".join(f"rank {r}: {h}" for r, h in enumerate(hashes))
         raise PlanError(f"ranks hold different plans ({table}); give every rank the same Plan "
                         "(or let each search with the same model, cluster and options)")
-
-
-def wrap_runtime_error(exc: BaseException, where: str) -> RuntimeFailure:
-    return RuntimeFailure(f"{where} failed: {type(exc).__name__}: {exc}")

@@ -44,7 +44,3 @@ def build_mesh(plan: Plan, device_type: str) -> DeviceMesh | None:
     for axis in AXES:
         ops.groups.bind(axis, mesh.get_group(axis))
     return mesh
-
-
-def mesh_coords(plan: Plan, rank: int) -> tuple[int, int, int]:
-    return plan.mesh.coords(rank)

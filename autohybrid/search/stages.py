@@ -57,11 +57,3 @@ def partition(costs: Sequence[float], stages: int) -> tuple[tuple[int, ...], flo
 def stage_costs(costs: Sequence[float], starts: Sequence[int]) -> list[float]:
     bounds = [*starts, len(costs)]
     return [sum(costs[bounds[k]:bounds[k + 1]]) for k in range(len(starts))]
-
-
-def equal_split(n: int, stages: int) -> tuple[int, ...]:
-    """Starts of `stages` stages with layer counts as equal as possible (the naive split)."""
-    base, extra = divmod(n, stages)
-    sizes = [base + (1 if k < extra else 0) for k in range(stages)]
-    return tuple(accumulate([0, *sizes[:-1]]))
-

@@ -1,5 +1,8 @@
 """The compiled model users hold: `train_step`, `__call__`, gathered state, `explain`.
 
+It sits beside api.py (it orchestrates capture → plan → passes → runtime for one rank);
+the runtime/ modules it drives know nothing about it.
+
 Built on every rank from the same model, cluster and options. It owns the captured
 graphs, the rewritten per-rank graphs, the mesh and the executor; the model's own
 parameters are this rank's parameters (data parallelism keeps them whole), so the user's
@@ -16,13 +19,13 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from .. import passes as passes_mod
-from ..capture import CapturedGraph, as_tuple, capture
-from ..cluster import Cluster
-from ..errors import AutohybridError, PlanError
-from ..plan import Constraints, Plan
-from .executor import Executor, check_same_plan
-from .groups import build_mesh, ensure_initialized
+from . import passes as passes_mod
+from .capture import CapturedGraph, as_tuple, capture
+from .cluster import Cluster
+from .errors import AutohybridError, PlanError
+from .plan import Constraints, Plan
+from .runtime.executor import Executor, check_same_plan
+from .runtime.groups import build_mesh, ensure_initialized
 
 
 class CompiledModel:
@@ -30,7 +33,7 @@ class CompiledModel:
                  loss_fn: Callable | None, example_targets: Any,
                  optimizer_factory: Callable | None, plan: Plan | None,
                  constraints: Constraints | None, global_batch: int | None):
-        from ..api import check_plan_fits_model, make_plan, optimizer_kind
+        from .api import check_plan_fits_model, make_plan, optimizer_kind
 
         ensure_initialized(cluster.world_size)
         self.model, self.cluster, self.loss_fn = model, cluster, loss_fn
@@ -86,7 +89,7 @@ class CompiledModel:
         return self._forward_captures[mode]
 
     def _check_batch_norm_microbatches(self) -> None:
-        from ..passes.sync_batch_norm import training_batch_norms
+        from .passes.sync_batch_norm import training_batch_norms
         graph = self._train or self._forward_capture()
         if self.plan.num_microbatches > 1 and training_batch_norms(graph.gm):
             raise PlanError(
@@ -203,7 +206,7 @@ class CompiledModel:
         return list(self.executor.reducer.events)
 
     def explain(self) -> str:
-        from ..report.text import explain
+        from .report.text import explain
         return explain(self)
 
 
