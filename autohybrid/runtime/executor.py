@@ -9,6 +9,7 @@ the gradients of eager's loss on the whole batch.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -76,7 +77,6 @@ class Executor:
             num.backward()
             numerator = num.detach() if numerator is None else numerator + num.detach()
             denominator = den.detach() if denominator is None else denominator + den.detach()
-        import time
         self.last_backward_end = time.perf_counter()
         totals = torch.stack([numerator.double(), denominator.double()])
         if self.dp_group is not None and self.dp > 1:
