@@ -174,3 +174,27 @@ def test_megatron_core_rows_with_the_fitted_tp_overlap():
     for row in published_runs.MEGATRON_CORE:
         ratio = published_runs.predict_megatron_core(row) / row[-1]
         assert 0.90 <= ratio <= 1.10, (row[0], ratio)
+
+
+@pytest.mark.timeout(60)
+def test_kv_heads_are_replicated_when_tp_exceeds_them():
+    """llama-tiny has 4 query heads and 2 KV heads: at tp=4 each KV head lives on 2 ranks,
+    so the key/value projections split 2 ways, everything else tp ways."""
+    from autohybrid.search.space import local_params
+
+    model = ah.models.preset("llama-tiny", device="meta")
+    (tokens,), targets = ah.models.example_batch(model, 4, device="meta")
+    cap = capture(model, (tokens,), _loss, targets)
+    prof = profile(cap.gm, cap.dim_roles)
+    assert (prof.heads, prof.kv_heads) == (4, 2)
+    kv = {name for name in prof.layout.kv_params}
+    assert kv == {f"blocks.{i}.attn.{w}.weight" for i in (0, 1) for w in ("wk", "wv")}
+    sizes = dict(model.named_parameters())
+    kv_count = sum(sizes[name].numel() for name in kv)
+    split = {name: (count, how) for layer in prof.layers for name, count, how in layer.params}
+    tp_count = sum(c for c, how in split.values() if how == "tp")
+    rest = sum(c for c, how in split.values() if how == "none")
+    assert local_params(prof.layers, 2, prof.kv_heads) == pytest.approx(
+        rest + (tp_count + kv_count) / 2)
+    assert local_params(prof.layers, 4, prof.kv_heads) == pytest.approx(
+        rest + tp_count / 4 + kv_count / 2)

@@ -19,7 +19,7 @@ from ..cost import comm
 from ..cost.compute import LAUNCH_OVERHEAD_S, MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
 from ..cost.memory import dtype_bytes, state_bytes_per_param, usable_bytes
 from ..plan import MemoryBreakdown, Mesh, Prediction
-from .space import LayerProfile, ModelProfile, local_params
+from .space import LayerProfile, ModelProfile, local_params, split_ways
 from .stages import partition
 
 #: Update of the optimizer: bytes touched per parameter (read/write weights, grads, states).
@@ -87,7 +87,7 @@ class LayerTimes:
 
 def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
                 dtype: str, graph_dtype_bytes: int, attention: str = "flash",
-                tp_overlap: float = 0.0) -> LayerTimes:
+                tp_overlap: float = 0.0, kv_heads: int | None = None) -> LayerTimes:
     mesh, b = layout.mesh, layout.microbatch_size
     t, sp = mesh.tp, mesh.sp
     v = layer.values(b, seq)
@@ -95,7 +95,9 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
     device = cluster.device
     peak = device.peak_flops.get(dtype) or max(device.peak_flops.values())
     replicated_share = 1.0 / t if sp else 1.0
-    matmul = (v["mm_sharded"] / t + v["mm_replicated"]) / (peak * MATMUL_EFFICIENCY)
+    kv = split_ways("kv", t, kv_heads)
+    matmul = (v["mm_sharded"] / t + v["mm_kv"] / kv + v["mm_replicated"]) \
+        / (peak * MATMUL_EFFICIENCY)
     moved = (v["bytes_sharded"] / t + v["bytes_replicated"] * replicated_share) * scale
     other = (v["other_sharded"] / t + v["other_replicated"] * replicated_share) / peak
     bandwidth = device.memory_bandwidth * MEMORY_EFFICIENCY
@@ -172,7 +174,7 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
         key = (layer.signature, *shape)
         if key not in cache:
             cache[key] = layer_times(layer, cluster, layout, seq, dtype, graph_dtype_bytes,
-                                     attention, tp_overlap)
+                                     attention, tp_overlap, profile.kv_heads)
         times.append(cache[key])
     per_layer = [x.forward + x.backward + x.recompute + x.tp_comm for x in times]
     split_key = ("split", mesh.pp, *shape)
@@ -195,7 +197,7 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
     for k in range(mesh.pp):
         key = ("params", bounds[k], bounds[k + 1], mesh.tp)
         if key not in cache:
-            cache[key] = local_params(layers[k], mesh.tp)
+            cache[key] = local_params(layers[k], mesh.tp, profile.kv_heads)
         params.append(cache[key])
     memories, grad_sync, exposed = [], 0.0, 0.0
     for k in range(mesh.pp):
@@ -217,7 +219,8 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
     peak = cluster.device.peak_flops.get(dtype) or max(cluster.device.peak_flops.values())
     if "model_flops" not in cache:
         cache["model_flops"] = 3 * sum(
-            v["mm_sharded"] + v["mm_replicated"] + v["other_sharded"] + v["other_replicated"]
+            v["mm_sharded"] + v["mm_kv"] + v["mm_replicated"] + v["other_sharded"]
+            + v["other_replicated"]
             for v in (l.values(1, seq) for l in profile.layers))
     model_flops = cache["model_flops"] * global_batch
     prediction = Prediction(

@@ -73,6 +73,8 @@ class TensorParallelLayout:
     linear_roles: dict[str, str] = field(default_factory=dict)   # "column" | "row" | "replicate"
     param_placements: dict[str, str] = field(default_factory=dict)  # by canonical name
     collectives: list[Collective] = field(default_factory=list)
+    kv_linears: set[str] = field(default_factory=set)   # key/value-only projections (GQA)
+    kv_params: set[str] = field(default_factory=set)    # their weights and biases
 
     def is_sharded(self, node: fx.Node) -> bool:
         return self.placements.get(node.name, R) != R
@@ -238,7 +240,39 @@ def megatron_layout(gm: fx.GraphModule) -> TensorParallelLayout:
             place[node.name] = R
         else:
             place[node.name] = shard(moved)
+    mark_key_value_projections(gm, layout)
     return layout
+
+
+def _attention_sources(value: fx.Node, budget: int = 64) -> set[fx.Node]:
+    """The linears an attention operand comes from, through views and elementwise ops."""
+    found, frontier, seen = set(), [value], set()
+    while frontier and budget > 0:
+        node = frontier.pop()
+        budget -= 1
+        if node in seen or node.op != "call_function":
+            continue
+        seen.add(node)
+        if op_name(node) == "aten.linear.default":
+            found.add(node)
+            continue
+        frontier.extend(a for a in node.all_input_nodes
+                        if a.meta.get(AH_ROLE) not in ("param", "buffer", "constant"))
+    return found
+
+
+def mark_key_value_projections(gm: fx.GraphModule, layout: TensorParallelLayout) -> None:
+    """Linears feeding only attention keys/values: with fewer KV heads than tp ranks they
+    are replicated over tp / kv_heads ranks (grouped-query attention), not split tp ways."""
+    for node in gm.graph.nodes:
+        if op_name(node) != "aten.scaled_dot_product_attention.default":
+            continue
+        queries = _attention_sources(node.args[0])
+        for source in _attention_sources(node.args[1]) | _attention_sources(node.args[2]):
+            if source not in queries and layout.linear_roles.get(source.name) == "column":
+                layout.kv_linears.add(source.name)
+                layout.kv_params.update(param_key(a) for a in source.args[1:3]
+                                        if isinstance(a, fx.Node))
 
 
 def _linear(node: fx.Node, layout: TensorParallelLayout) -> None:

@@ -25,7 +25,7 @@ from .sharding import R, TensorParallelLayout, megatron_layout, param_key
 #: Order of the per-layer quantities evaluated together (one compiled function per layer).
 FIELDS = ("mm_sharded", "mm_replicated", "other_sharded", "other_replicated",
           "bytes_sharded", "bytes_replicated", "saved_sharded", "saved_replicated",
-          "attention_flops", "attention_saved", "attention_scores", "input_bytes")
+          "attention_flops", "attention_saved", "attention_scores", "input_bytes", "mm_kv")
 
 
 @dataclass(frozen=True)
@@ -39,16 +39,23 @@ class Collective:
 class LayerProfile:
     name: str
     signature: str
-    params: tuple[tuple[str, int, bool], ...]   # (canonical name, numel, sharded on tp)
+    params: tuple[tuple[str, int, str], ...]   # (canonical name, numel, split: tp|kv|none)
     num_ops: int
     values: Callable[[int, int], dict[str, float]]
     collectives: list[Collective] = field(default_factory=list)
 
 
-def local_params(layers: list[LayerProfile], tp: int) -> float:
+def split_ways(split: str, tp: int, kv_heads: int | None) -> int:
+    """Over how many tp ranks a value marked `split` ("tp", "kv", "none") is divided."""
+    if split == "kv" and kv_heads:
+        return min(tp, kv_heads)  # more ranks than KV heads: KV heads are replicated
+    return tp if split in ("tp", "kv") else 1
+
+
+def local_params(layers: list[LayerProfile], tp: int, kv_heads: int | None = None) -> float:
     """Parameters one tp rank holds for `layers` (a tied parameter counted once)."""
-    unique = {name: (count, sharded) for layer in layers for name, count, sharded in layer.params}
-    return sum(count / tp if sharded else count for count, sharded in unique.values())
+    unique = {name: (count, split) for layer in layers for name, count, split in layer.params}
+    return sum(count / split_ways(split, tp, kv_heads) for count, split in unique.values())
 
 
 @dataclass
@@ -82,8 +89,11 @@ def profile(gm: fx.GraphModule, dim_roles: dict[sympy.Symbol, str]) -> ModelProf
 
 
 def _layer_params(layer: Layer, layout: TensorParallelLayout) -> tuple[tuple[str, int, bool], ...]:
-    return tuple((param_key(p), p.meta[VAL].numel(),
-                  layout.param_placements.get(param_key(p), R) != R) for p in layer.params())
+    def split(p: fx.Node) -> str:
+        if param_key(p) in layout.kv_params:
+            return "kv"
+        return "tp" if layout.param_placements.get(param_key(p), R) != R else "none"
+    return tuple((param_key(p), p.meta[VAL].numel(), split(p)) for p in layer.params())
 
 
 def _compile_layer(layer: Layer, layout: TensorParallelLayout, subs: dict, batch, seq,
@@ -100,7 +110,10 @@ def _compile_layer(layer: Layer, layout: TensorParallelLayout, subs: dict, batch
         sharded = layout.is_sharded(node) or role in ("column", "row")
         part = "sharded" if sharded else "replicated"
         mm = name in MATMUL_OPS
-        sums[f"{'mm' if mm else 'other'}_{part}"].append(forward_flops(node))
+        if node.name in layout.kv_linears:
+            sums["mm_kv"].append(forward_flops(node))
+        else:
+            sums[f"{'mm' if mm else 'other'}_{part}"].append(forward_flops(node))
         sums[f"bytes_{part}"].append(bytes_moved(node))
         if name == "aten.scaled_dot_product_attention.default":
             sums["attention_flops"].append(forward_flops(node))
