@@ -22,7 +22,7 @@ import autohybrid as ah
 from autohybrid import models
 from autohybrid.api import make_plan
 from autohybrid.capture import capture
-from autohybrid.cost.compute import graph_cost, model_flops_per_step
+from autohybrid.search.space import profile
 from autohybrid.cost.memory import MEMORY_HEADROOM, training_state, usable_bytes
 from autohybrid.plan import FORMAT_VERSION, Mesh, Plan, RankPlacement
 
@@ -342,15 +342,15 @@ def test_graph_flops_of_the_zoo_gpt_match_the_closed_form(layers, hidden, heads,
     model = models.gpt(layers, hidden, heads, vocab, seq, device="meta")
     ids = torch.empty(2, seq, dtype=torch.long, device="meta")
     cap = capture(model, (ids,), with_loss=False)
-    cost = graph_cost(cap.gm, cap.dim_roles)
+    prof = profile(cap.gm, cap.dim_roles)  # what the planner prices
     l, h, V = layers, hidden, vocab
-    assert cost.param_count == 12 * l * h * h + 13 * l * h + (V + seq) * h + 2 * h
+    assert prof.param_count == 12 * l * h * h + 13 * l * h + (V + seq) * h + 2 * h
     for B, s in [(1, seq), (3, seq // 2), (8, 16)]:
         forward = 24 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
-        assert cost.matmul_flops(B, s) == pytest.approx(forward, rel=1e-9)
-        assert cost.flops(B, s) == pytest.approx(forward, rel=0.03)
+        assert prof.forward_flops(B, s, matmul_only=True) == pytest.approx(forward, rel=1e-9)
+        assert prof.forward_flops(B, s) == pytest.approx(forward, rel=0.03)
         reference = 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h))
-        assert model_flops_per_step(cost, B, s) == pytest.approx(reference, rel=0.03)
+        assert prof.step_flops(B, s) == pytest.approx(reference, rel=0.03)
 
 
 # --------------------------------------------------------------------------- compile

@@ -1,21 +1,21 @@
 """Compute cost of a captured graph: FLOPs, bytes moved and saved activations per op.
 
 Rules are keyed by ATen op name (the one graph format). Sizes are sympy expressions of
-the graph's symbolic batch and sequence sizes, summed per class once and turned into fast
-functions, so a search evaluates a 175B-parameter graph at any microbatch in microseconds.
+the graph's symbolic batch and sequence sizes; search/space.py sums them per layer once
+and turns the sums into fast functions, so a search evaluates a 175B-parameter graph at
+any microbatch in microseconds.
 This module reads graphs and device figures; it does not know about plans or meshes.
 """
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import sympy
 import torch
 import torch.fx as fx
 
-from ..graph import AH_PARAM, AH_ROLE, VAL, VIEW_OPS, op_name
+from ..graph import AH_ROLE, VAL, VIEW_OPS, op_name
 
 #: Documented efficiency constants of the roofline (fractions of peak). Calibration
 #: replaces them for a measured machine. Sources: hardware_and_formulas.md "practical
@@ -151,68 +151,3 @@ def saved_nodes(node: fx.Node, needs_grad: set[fx.Node] | None = None) -> list[f
     if name == "aten.scaled_dot_product_attention.default":
         tensors.append(node)
     return tensors
-
-
-@dataclass(frozen=True)
-class GraphCost:
-    """Totals of a graph as functions of (batch, seq); all forward-only quantities."""
-
-    param_count: int
-    param_bytes: int
-    matmul_flops: Callable[[int, int], float]
-    other_flops: Callable[[int, int], float]
-    memory_bytes: Callable[[int, int], float]
-    activation_bytes: Callable[[int, int], float]
-    num_ops: int
-
-    def flops(self, batch: int, seq: int) -> float:
-        return self.matmul_flops(batch, seq) + self.other_flops(batch, seq)
-
-
-def graph_cost(gm: fx.GraphModule, dim_roles: dict[sympy.Symbol, str]) -> GraphCost:
-    """Sum the rules over `gm` once and compile the sums into functions of (batch, seq)."""
-    batch, seq = sympy.symbols("batch seq", positive=True, integer=True)
-    subs = {s: (batch if role == "batch" else seq) for s, role in dim_roles.items()}
-    mm, other, moved, saved_exprs = [], [], [], []
-    saved: dict[str, fx.Node] = {}
-    param_count = param_bytes = 0
-    seen_params: set[str] = set()
-    needs_grad = grad_nodes(gm)
-    num_ops = 0
-    for node in gm.graph.nodes:
-        if node.op == "placeholder" and node.meta.get(AH_ROLE) == "param":
-            val = node.meta[VAL]
-            name = node.meta.get(AH_PARAM, node.name)  # a tied parameter counts once
-            if name not in seen_params:
-                seen_params.add(name)
-                param_count += val.numel()
-                param_bytes += val.numel() * val.element_size()
-            continue
-        if node.op != "call_function":
-            continue
-        name = op_name(node)
-        if name not in VIEW_OPS and node.target is not operator.getitem:
-            num_ops += 1
-        (mm if name in MATMUL_OPS else other).append(forward_flops(node))
-        moved.append(bytes_moved(node))
-        for s in saved_nodes(node, needs_grad):
-            if s.meta.get(AH_ROLE) in ("param", "buffer", "constant"):
-                continue
-            saved.setdefault(s.name, s)
-    for s in saved.values():
-        saved_exprs.extend(nbytes_expr(t) for t in _tensors(s.meta.get(VAL)))
-
-    def compile_sum(terms: list[sympy.Expr]) -> Callable[[int, int], float]:
-        expr = sympy.Add(*terms).xreplace(subs) if terms else sympy.Integer(0)
-        fn = sympy.lambdify((batch, seq), expr, modules="math")
-        return lambda b, s: float(fn(b, s if s is not None else 1))
-
-    return GraphCost(param_count=param_count, param_bytes=param_bytes,
-                     matmul_flops=compile_sum(mm), other_flops=compile_sum(other),
-                     memory_bytes=compile_sum(moved), activation_bytes=compile_sum(saved_exprs),
-                     num_ops=num_ops)
-
-
-def model_flops_per_step(cost: GraphCost, batch: int, seq: int | None) -> float:
-    """Model FLOPs of one optimizer step over `batch` samples (forward + backward)."""
-    return 3.0 * cost.flops(batch, seq)

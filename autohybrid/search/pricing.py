@@ -13,11 +13,11 @@ with bubble p−1 (GPipe, 1F1B), (p−1)/v (interleaved) or (p−1)·t_f/t (zero
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..cost import comm
 from ..cost.compute import LAUNCH_OVERHEAD_S, MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
-from ..cost.memory import dtype_bytes, state_bytes_per_param, usable_bytes
+from ..cost.memory import dtype_bytes, training_state, usable_bytes
 from ..plan import MemoryBreakdown, Mesh, Prediction
 from .space import LayerProfile, ModelProfile, local_params, split_ways
 from .stages import partition
@@ -218,10 +218,7 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
     tp_total = m * max(sum(x.tp_comm for x in s) for s in stages)
     peak = cluster.device.peak_flops.get(dtype) or max(cluster.device.peak_flops.values())
     if "model_flops" not in cache:
-        cache["model_flops"] = 3 * sum(
-            v["mm_sharded"] + v["mm_kv"] + v["mm_replicated"] + v["other_sharded"]
-            + v["other_replicated"]
-            for v in (l.values(1, seq) for l in profile.layers))
+        cache["model_flops"] = profile.step_flops(1, seq)
     model_flops = cache["model_flops"] * global_batch
     prediction = Prediction(
         step_time_s=step, compute_s=compute - m * max(sum(x.tp_comm for x in s) for s in stages),
@@ -258,11 +255,7 @@ def _stage_memory(local: float, times: list[LayerTimes], layout: Layout, dtype: 
                   optimizer: str, stage: int) -> MemoryBreakdown:
     """Bytes on a rank of `stage` that holds `local` parameters (after tp)."""
     mesh = layout.mesh
-    per = state_bytes_per_param(dtype, optimizer)
-    d = mesh.dp
-    params = local * per.params / (d if layout.zero >= 3 else 1)
-    grads = local * per.grads / (d if layout.zero >= 2 else 1)
-    optim = local * per.optimizer / (d if layout.zero >= 1 else 1)
+    state = training_state(local, dtype, optimizer, layout.zero, mesh.dp)
     if layout.recompute == "full":
         per_microbatch = sum(x.recompute_saved for x in times)
         working = max((x.saved for x in times), default=0.0)
@@ -271,5 +264,4 @@ def _stage_memory(local: float, times: list[LayerTimes], layout: Layout, dtype: 
         working = 0.0
     flight = in_flight(layout) if stage == 0 else max(1.0, in_flight(layout) - stage)
     activations = per_microbatch * flight + working
-    return MemoryBreakdown(params=int(params), grads=int(grads), optimizer=int(optim),
-                           activations=int(activations))
+    return replace(state, activations=int(activations))

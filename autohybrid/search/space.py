@@ -58,6 +58,10 @@ def local_params(layers: list[LayerProfile], tp: int, kv_heads: int | None = Non
     return sum(count / split_ways(split, tp, kv_heads) for count, split in unique.values())
 
 
+_MATMUL_FIELDS = ("mm_sharded", "mm_kv", "mm_replicated")
+_OTHER_FIELDS = ("other_sharded", "other_replicated")
+
+
 @dataclass
 class ModelProfile:
     layers: list[LayerProfile]
@@ -65,6 +69,16 @@ class ModelProfile:
     param_count: int              # unique parameters (tied weights once)
     heads: int | None             # attention heads, for tp divisibility (None: no attention)
     kv_heads: int | None
+
+    def forward_flops(self, batch: int, seq: int | None, matmul_only: bool = False) -> float:
+        """FLOPs of one forward pass over `batch` samples (the whole model, unsplit)."""
+        fields = _MATMUL_FIELDS if matmul_only else _MATMUL_FIELDS + _OTHER_FIELDS
+        return sum(values[f] for values in (layer.values(batch, seq) for layer in self.layers)
+                   for f in fields)
+
+    def step_flops(self, batch: int, seq: int | None) -> float:
+        """Model FLOPs of one training step: forward + backward (twice the forward)."""
+        return 3.0 * self.forward_flops(batch, seq)
 
 
 def profile(gm: fx.GraphModule, dim_roles: dict[sympy.Symbol, str]) -> ModelProfile:
