@@ -46,11 +46,11 @@ def test_stage_partition_matches_brute_force_on_random_costs():
         assert max(stage_costs(costs, starts)) == pytest.approx(slowest, abs=1e-12)
 
 
-def _gpt_tiny_profile():
-    model = ah.models.preset("gpt-tiny", device="meta")
-    (tokens,), targets = ah.models.example_batch(model, 8, device="meta")
-    cap = capture(model, (tokens,), _loss, targets)
-    return cap, profile(cap.gm, cap.dim_roles)
+def _captured(name: str, batch: int):
+    """A tiny zoo preset on the meta device, captured with its language-model loss."""
+    model = ah.models.preset(name, device="meta")
+    (tokens,), targets = ah.models.example_batch(model, batch, device="meta")
+    return model, capture(model, (tokens,), _loss, targets)
 
 
 def _with_memory(cluster: ah.Cluster, memory: int) -> ah.Cluster:
@@ -59,7 +59,8 @@ def _with_memory(cluster: ah.Cluster, memory: int) -> ah.Cluster:
 
 @pytest.mark.timeout(120)
 def test_search_returns_the_optimum_of_an_exhaustive_enumeration():
-    cap, prof = _gpt_tiny_profile()
+    _, cap = _captured("gpt-tiny", 8)
+    prof = profile(cap.gm, cap.dim_roles)
     request = planner.PlanRequest(model_hash=cap.hash, global_batch=8, seq=16,
                                   dtype="float32", graph_dtype_bytes=4)
     for memory in (None, 400_000, 250_000):
@@ -80,9 +81,7 @@ def test_search_returns_the_optimum_of_an_exhaustive_enumeration():
 
 @pytest.mark.timeout(60)
 def test_megatron_shardings_of_a_gpt_block():
-    model = ah.models.preset("gpt-tiny", device="meta")
-    (tokens,), targets = ah.models.example_batch(model, 4, device="meta")
-    cap = capture(model, (tokens,), _loss, targets)
+    _, cap = _captured("gpt-tiny", 4)
     layout = megatron_layout(cap.gm)
     linears = [n for n in cap.gm.graph.nodes if n.target is torch.ops.aten.linear.default]
     roles = [layout.linear_roles[n.name] for n in linears]
@@ -101,9 +100,7 @@ def test_megatron_shardings_of_a_gpt_block():
 
 @pytest.mark.timeout(60)
 def test_megatron_shardings_of_a_llama_block_with_swiglu_and_gqa():
-    model = ah.models.preset("llama-tiny", device="meta")
-    (tokens,), targets = ah.models.example_batch(model, 4, device="meta")
-    cap = capture(model, (tokens,), _loss, targets)
+    _, cap = _captured("llama-tiny", 4)
     layout = megatron_layout(cap.gm)
     roles = [layout.linear_roles[n.name] for n in cap.gm.graph.nodes
              if n.target is torch.ops.aten.linear.default]
@@ -182,9 +179,7 @@ def test_kv_heads_are_replicated_when_tp_exceeds_them():
     so the key/value projections split 2 ways, everything else tp ways."""
     from autohybrid.search.space import local_params
 
-    model = ah.models.preset("llama-tiny", device="meta")
-    (tokens,), targets = ah.models.example_batch(model, 4, device="meta")
-    cap = capture(model, (tokens,), _loss, targets)
+    model, cap = _captured("llama-tiny", 4)
     prof = profile(cap.gm, cap.dim_roles)
     assert (prof.heads, prof.kv_heads) == (4, 2)
     kv = {name for name in prof.layout.kv_params}

@@ -108,7 +108,8 @@ def search(profile: ModelProfile, cluster, request: PlanRequest,
     if not fitting:
         raise NoPlanFitsError(_no_fit_message(candidates, cluster, skipped))
     best = min(fitting, key=_rank_key)
-    plan = _make_plan(best, profile, cluster, request, checker.placement(best.layout.mesh))
+    plan = _make_plan(best, profile, cluster, request, checker.placement(best.layout.mesh),
+                      checker.cluster_hash)
     plan = replace(plan, alternatives=_alternatives(best, candidates))
     log.info("priced %d candidates (%d fit) in %.3f s; chose %s", len(candidates),
              len(fitting), time.perf_counter() - start, best.summary())
@@ -297,13 +298,12 @@ def _plan_for(layout: Layout, request: PlanRequest, cluster, cluster_hash: str,
 
 
 def _make_plan(best: Candidate, profile: ModelProfile, cluster, request: PlanRequest,
-               placement) -> Plan:
+               placement, cluster_hash: str) -> Plan:
     pinned = request.constraints
     if pinned.stage_boundaries:
         boundaries = tuple(pinned.stage_boundaries)
     else:
         boundaries = tuple(profile.layers[s].name for s in best.priced.stage_starts[1:])
-    cluster_hash = hashlib.sha256(cluster.to_json().encode()).hexdigest()[:16]
     plan = _plan_for(best.layout, request, cluster, cluster_hash, placement, boundaries)
     return replace(plan, predicted=best.priced.prediction, executable=best.executable,
                    not_executable_because=best.unsupported,

@@ -186,7 +186,8 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
     layers = [profile.layers[bounds[k]:bounds[k + 1]] for k in range(mesh.pp)]
     forward_share = max(sum(x.forward for x in s) for s in stages) / slowest if slowest else 0.0
     m = layout.num_microbatches
-    compute = (m + bubble(layout, forward_share)) * slowest
+    idle = bubble(layout, forward_share)
+    compute = (m + idle) * slowest
     activation = _boundary_bytes(times, bounds, layout)
     p2p = 0.0
     if mesh.pp > 1:
@@ -215,15 +216,15 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
     update = params_local / (mesh.dp if layout.zero else 1) * OPTIMIZER_BYTES_PER_PARAM \
         / (cluster.device.memory_bandwidth * MEMORY_EFFICIENCY)
     step = compute + p2p + exposed + update
-    tp_total = m * max(sum(x.tp_comm for x in s) for s in stages)
+    tp_total = m * max(sum(x.tp_comm for x in s) for s in stages)  # on the slowest stage
     peak = cluster.device.peak_flops.get(dtype) or max(cluster.device.peak_flops.values())
     if "model_flops" not in cache:
         cache["model_flops"] = profile.step_flops(1, seq)
     model_flops = cache["model_flops"] * global_batch
     prediction = Prediction(
-        step_time_s=step, compute_s=compute - m * max(sum(x.tp_comm for x in s) for s in stages),
+        step_time_s=step, compute_s=compute - tp_total,
         comm_s=tp_total + p2p + grad_sync, exposed_comm_s=tp_total + p2p + exposed,
-        bubble_fraction=(bubble(layout, forward_share) * slowest / compute) if compute else 0.0,
+        bubble_fraction=(idle * slowest / compute) if compute else 0.0,
         mfu=model_flops / (step * mesh.world_size * peak) if step else 0.0,
         memory_per_rank_bytes=worst.total, device_memory_bytes=cluster.device.memory_bytes,
         memory=worst)
