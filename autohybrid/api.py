@@ -19,6 +19,7 @@ from .plan import Constraints, Plan
 from .runtime.features import unsupported
 from .search.planner import PlanRequest, search
 from .search.space import profile as model_profile
+from .search.tp_choice import Rates
 
 if TYPE_CHECKING:  # imported lazily at run time (calibrate and runtime sit above api)
     from .calibrate import Profile
@@ -96,7 +97,7 @@ def make_plan(forward: CapturedGraph, train: CapturedGraph | None, model: nn.Mod
     if profile_ is not None:
         cluster = profile_.apply(cluster)
     costed = train or forward
-    profile = model_profile(costed.gm, costed.dim_roles)
+    profile = model_profile(costed.gm, costed.dim_roles, Rates.of(cluster))
     first = next(iter(model.parameters()), None)
     width = first.element_size() if first is not None else 4
     request = PlanRequest(

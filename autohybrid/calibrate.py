@@ -1,4 +1,5 @@
-"""Measure this machine: matmul and element-wise throughput, collective α and β.
+"""Measure this machine: matmul and element-wise throughput, per-op launch overhead,
+collective α and β.
 
     profile = ah.calibrate(ah.Cluster.local(2))      # or: autohybrid calibrate --world-size 2
     profile.to_json("calibration.json")
@@ -42,6 +43,7 @@ class Profile:
     world_size: int = 1
     all_reduce_latency_s: float | None = None      # α
     all_reduce_bandwidth: float | None = None      # 1/β, bytes/s
+    launch_overhead_s: float | None = None         # per op: dispatch + launch of a tiny op
     samples: dict[str, list[float]] = field(default_factory=dict)
     version: int = PROFILE_VERSION
 
@@ -76,6 +78,8 @@ class Profile:
         device = replace(cluster.device, peak_flops=peaks,
                          memory_bandwidth=self.memory_bandwidth / MEMORY_EFFICIENCY,
                          source=f"calibrated on {self.machine} ({self.hash()})")
+        if self.launch_overhead_s is not None:
+            device = replace(device, launch_overhead_s=self.launch_overhead_s)
         out = replace(cluster, device=device)
         if self.all_reduce_latency_s is not None and self.all_reduce_bandwidth is not None:
             link = LinkSpec(name=f"{cluster.intra_link.name}-calibrated",
@@ -120,6 +124,23 @@ def measure_bandwidth(numel: int = 1 << 23, repeats: int = 5, device: str = "cpu
     return 3 * 4 * numel / _timed(run, repeats)
 
 
+def measure_launch_overhead(ops: int = 1000, repeats: int = 5, device: str = "cpu") -> float:
+    """Seconds per op of a training step besides its FLOPs and bytes, in the cost model's
+    unit (a forward op's share; its backward is charged twice that): forward and backward
+    of `ops` one-element multiplies recorded by autograd, over 3 · `ops`."""
+    a = torch.zeros(1, device=device, requires_grad=True)
+    b = torch.ones(1, device=device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def run():
+        x = a
+        for _ in range(ops):
+            x = torch.mul(x, b)
+        x.backward()
+        sync()
+    return _timed(run, repeats) / (3 * ops)
+
+
 def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], ranks: int) -> tuple[float, float]:
     """Least-squares α, β of T(n) = 2(p−1)α + 2(p−1)/p · n · β (both kept ≥ 0)."""
     xs = [2 * (ranks - 1) / ranks * n for n in sizes]
@@ -149,7 +170,8 @@ def _measure(rank: int, matmul_sizes: Sequence[int], dtypes: Sequence[torch.dtyp
     """One rank's figures; all ranks measure at once, as they will train (contention)."""
     flops = {str(d).removeprefix("torch."): max(measure_matmul(s, d, repeats, device)
                                                 for s in matmul_sizes) for d in dtypes}
-    result = {"flops": flops, "bandwidth": measure_bandwidth(repeats=repeats, device=device)}
+    result = {"flops": flops, "bandwidth": measure_bandwidth(repeats=repeats, device=device),
+              "launch_s": measure_launch_overhead(repeats=repeats, device=device)}
     if dist.is_initialized() and dist.get_world_size() > 1:
         result["all_reduce_s"] = _time_all_reduce(all_reduce_sizes, max(repeats, 20))
     return result
@@ -170,7 +192,8 @@ def calibrate(cluster: Cluster | None = None, *, matmul_sizes: Sequence[int] = (
     profile = Profile(machine=f"{platform.node()} {platform.machine()} {device}",
                       matmul_flops=flops,
                       memory_bandwidth=min(r["bandwidth"] for r in results),
-                      world_size=len(results))
+                      world_size=len(results),
+                      launch_overhead_s=max(r["launch_s"] for r in results))
     if "all_reduce_s" not in results[0]:
         return profile
     times = [max(r["all_reduce_s"][i] for r in results) for i in range(len(all_reduce_sizes))]

@@ -49,6 +49,10 @@ TERA = 1e12
 #: 15–30 µs across nodes", without CUDA graphs).
 INTRA_NODE_LATENCY_S = 7.5e-6
 INTER_NODE_LATENCY_S = 22.5e-6
+#: Fixed cost per op (kernel launch, eager dispatch) when a device has not been calibrated.
+#: Not in REF: the few µs commonly quoted for a CUDA kernel launch with PyTorch's dispatch
+#: (same order as REF's 5–10 µs per collective call); `autohybrid calibrate` measures it.
+LAUNCH_OVERHEAD_S = 5e-6
 
 DTYPE_NAMES = ("float64", "float32", "tfloat32", "bfloat16", "float16")
 
@@ -110,9 +114,12 @@ class DeviceSpec:
     memory_bytes: int
     memory_bandwidth: float  # bytes/s
     source: str
+    #: fixed cost of one op (kernel launch / eager dispatch), s; calibration measures it
+    launch_overhead_s: float = LAUNCH_OVERHEAD_S
 
     def __post_init__(self) -> None:
         _check_positive(f"device {self.name!r}", "memory_bytes", self.memory_bytes)
+        _check_positive(f"device {self.name!r}", "launch_overhead_s", self.launch_overhead_s)
         _check_positive(f"device {self.name!r}", "memory_bandwidth", self.memory_bandwidth)
         if not self.peak_flops:
             raise ClusterError(f"device {self.name!r}: field 'peak_flops' is empty; give "
@@ -125,15 +132,21 @@ class DeviceSpec:
         """A DeviceSpec from its JSON object (as `dataclasses.asdict` writes it), checked."""
         types = {"name": (str,), "peak_flops": (dict,), "memory_bytes": (int,),
                  "memory_bandwidth": JSON_NUMBER, "source": (str,)}
+        overhead = LAUNCH_OVERHEAD_S
+        if isinstance(data, dict) and "launch_overhead_s" in data:  # optional field
+            data = dict(data)
+            overhead = data.pop("launch_overhead_s")
+            check_type(f"{where}.launch_overhead_s", overhead, JSON_NUMBER)
         f = checked_fields(data, types, where, prefix=f"{where}.")
         for dtype, value in f["peak_flops"].items():
             check_type(f"{where}.peak_flops[{dtype!r}]", value, JSON_NUMBER)
         return cls(f["name"], {k: float(v) for k, v in f["peak_flops"].items()},
-                   f["memory_bytes"], float(f["memory_bandwidth"]), f["source"])
+                   f["memory_bytes"], float(f["memory_bandwidth"]), f["source"],
+                   float(overhead))
 
     def __hash__(self) -> int:  # the dict field is not hashable; hash its items instead
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes,
-                     self.memory_bandwidth, self.source))
+                     self.memory_bandwidth, self.source, self.launch_overhead_s))
 
     def flops(self, dtype: object, allow_tf32: bool = False) -> float:
         """Peak FLOP/s for `dtype` (a torch dtype or its name); fp32 uses TF32 if allowed."""

@@ -2,10 +2,10 @@
 
     python benchmarks/cost_model_accuracy.py [--steps 8]
 
-Calibrates (matmul, element-wise, all-reduce on 2 local ranks), then for each small
-configuration compiles it with `ah.compile` on 1 or 2 local ranks, trains warm-up + N
-steps, and compares the median measured step time with the plan's prediction (priced
-with the calibration). Prints the error per row and Kendall's rank correlation τ.
+Calibrates (matmul, element-wise, per-op overhead, all-reduce on 2 local ranks), then
+for each small configuration compiles it with `ah.compile` on 1 or 2 local ranks, trains
+warm-up + N steps, and compares the median measured step time with the plan's
+prediction (priced with the calibration). Prints the error per row and Kendall's rank correlation τ.
 Goal: errors within ±25 %, τ ≥ 0.7. A benchmark, not a CI gate.
 """
 from __future__ import annotations
@@ -70,7 +70,8 @@ def main() -> None:
     profile = ah.calibrate(ah.Cluster.local(2))
     print(f"calibration {profile.hash()}: matmul {profile.matmul_flops['float32'] / 1e9:.1f} "
           f"GFLOP/s, element-wise {profile.memory_bandwidth / 1e9:.1f} GB/s, all-reduce α "
-          f"{(profile.all_reduce_latency_s or 0) * 1e6:.0f} µs\n")
+          f"{(profile.all_reduce_latency_s or 0) * 1e6:.0f} µs, launch overhead "
+          f"{(profile.launch_overhead_s or 0) * 1e6:.1f} µs/op\n")
     print(f"{'config':>22} {'ranks':>5} {'predicted ms':>13} {'measured ms':>12} {'error':>8}")
     predicted, measured = [], []
     for name, config, batch, ranks in CONFIGS:

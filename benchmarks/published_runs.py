@@ -9,6 +9,7 @@ predicted and published iteration times, their ratio, and the full/selective rat
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -52,32 +53,60 @@ def predict(row) -> dict:
 #: Megatron-Core on DGX H100 (s 4096, V 131072): name, heads, hidden, layers, tp, pp, dp,
 #: GPUs, global batch, published TFLOP/s per GPU. Their runs overlap TP communication with
 #: compute; priced with the fitted share TP_OVERLAP_MEGATRON_CORE hidden (autohybrid's own
-#: runtime does not overlap it yet and is priced with 0).
+#: runtime does not overlap it yet and is priced with 0). Pipelined rows are priced with
+#: 1F1B and microbatch 1 (the README does not say more).
 MEGATRON_CORE = [
     ("1.7B", 16, 2048, 24, 1, 1, 48, 48, 192, 408.8),
     ("7.1B", 32, 4096, 30, 2, 1, 48, 96, 192, 465.9),
     ("16B", 48, 6144, 32, 4, 1, 48, 192, 192, 489.1),
     ("32B", 56, 7168, 48, 8, 1, 48, 384, 192, 459.6),
     ("70B", 64, 8192, 84, 8, 2, 48, 768, 384, 419.7),
+    ("119B", 80, 10240, 92, 8, 4, 48, 1536, 768, 420.5),
+    ("177B", 96, 12288, 96, 8, 6, 48, 2304, 1152, 432.8),
+    ("314B", 128, 16384, 96, 8, 8, 48, 3072, 1536, 474.4),
+    ("462B", 144, 18432, 112, 8, 16, 48, 6144, 3072, 459.9),
 ]
+MEGATRON_CORE_SEQ, MEGATRON_CORE_VOCAB = 4096, 131072
 
 
-def predict_megatron_core(row, tp_overlap: float = TP_OVERLAP_MEGATRON_CORE) -> float:
-    """Predicted model TFLOP/s per GPU (72·B·s·l·h²·(1 + s/6h + V/12lh) over step time)."""
-    name, heads, hidden, layers, tp, pp, dp, gpus, batch, _published = row
-    seq, vocab = 4096, 131072
-    model = ah.models.gpt(layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq=seq,
-                          device="meta")
-    tokens = torch.zeros(1, seq, dtype=torch.long, device="meta")
+def megatron_core_profile(row):
+    """The costed model of a Megatron-Core row (captured once on the meta device)."""
+    name, heads, hidden, layers = row[:4]
+    model = ah.models.gpt(layers=layers, hidden=hidden, heads=heads,
+                          vocab=MEGATRON_CORE_VOCAB, seq=MEGATRON_CORE_SEQ, device="meta")
+    tokens = torch.zeros(1, MEGATRON_CORE_SEQ, dtype=torch.long, device="meta")
     cap = capture(model, (tokens,), lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten()),
                   tokens)
+    return profile(cap.gm, cap.dim_roles)
+
+
+def predict_megatron_core(row, tp_overlap: float = TP_OVERLAP_MEGATRON_CORE,
+                          prof=None) -> float:
+    """Predicted model TFLOP/s per GPU (72·B·s·l·h²·(1 + s/6h + V/12lh) over step time)."""
+    name, heads, hidden, layers, tp, pp, dp, gpus, batch, _published = row
+    seq, vocab = MEGATRON_CORE_SEQ, MEGATRON_CORE_VOCAB
+    prof = prof if prof is not None else megatron_core_profile(row)
     layout = Layout(Mesh(pp=pp, dp=dp, tp=tp, sp=tp > 1), 1, batch // dp,
                     schedule="1f1b" if pp > 1 else "none", zero=1)
-    priced = price(profile(cap.gm, cap.dim_roles), ah.Cluster.preset("dgx-h100", nodes=gpus // 8),
+    priced = price(prof, ah.Cluster.preset("dgx-h100", nodes=gpus // 8),
                    layout, seq, "bfloat16", 4, "adam", batch, tp_overlap=tp_overlap)
     flops = 72 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden)
                                                      + vocab / (12 * layers * hidden))
     return flops / priced.prediction.step_time_s / gpus / 1e12
+
+
+def fit_tp_overlap(profiles: list, step: float = 0.05) -> tuple[float, float]:
+    """The TP overlap share (grid of `step`) minimizing the squared log-error of predicted
+    TFLOP/s over the Megatron-Core rows; returns (share, root-mean-square log-error)."""
+    best = None
+    for i in range(round(1 / step) + 1):
+        share = round(i * step, 10)
+        errors = [math.log(predict_megatron_core(row, share, prof) / row[-1])
+                  for row, prof in zip(MEGATRON_CORE, profiles)]
+        rms = math.sqrt(sum(e * e for e in errors) / len(errors))
+        if best is None or rms < best[1]:
+            best = (share, rms)
+    return best
 
 
 def main() -> None:
@@ -95,10 +124,16 @@ def main() -> None:
           "with none in the last column)")
     print(f"{'model':>6} {'tp':>3} {'pp':>3} {'pred TFLOP/s':>13} {'published':>10} {'ratio':>6} "
           f"{'no overlap':>10}")
+    profiles = []
     for row in MEGATRON_CORE:
-        got, exposed = predict_megatron_core(row), predict_megatron_core(row, 0.0)
+        profiles.append(megatron_core_profile(row))
+        got = predict_megatron_core(row, prof=profiles[-1])
+        exposed = predict_megatron_core(row, 0.0, profiles[-1])
         print(f"{row[0]:>6} {row[4]:>3} {row[5]:>3} {got:>13.0f} {row[-1]:>10.1f} "
               f"{got / row[-1]:>6.2f} {exposed / row[-1]:>10.2f}")
+    share, rms = fit_tp_overlap(profiles)
+    print(f"\nrefit on these rows (grid 0.05, least squared log-error): TP overlap {share:.2f}, "
+          f"rms log-error {rms:.3f}")
 
 
 if __name__ == "__main__":

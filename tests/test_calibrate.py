@@ -5,6 +5,7 @@ import json
 import random
 
 import pytest
+import torch.nn.functional as F
 
 import autohybrid as ah
 from autohybrid.calibrate import Profile, calibrate, fit_alpha_beta
@@ -50,6 +51,36 @@ def test_apply_makes_efficiency_times_figure_equal_the_measurement():
     assert cluster.device.memory_bandwidth * MEMORY_EFFICIENCY == pytest.approx(1e10)
     assert cluster.intra_link.latency_s == 1e-4 and cluster.intra_link.bandwidth == 2e9
     assert cluster.world_size == 2
+    assert cluster.device.launch_overhead_s == ah.Cluster.local(2).device.launch_overhead_s
+    measured = _profile(launch_overhead_s=3e-5).apply(ah.Cluster.local(2))
+    assert measured.device.launch_overhead_s == 3e-5
+    again = ah.Cluster.from_json(measured.to_json())  # the figure survives the cluster JSON
+    assert again.device.launch_overhead_s == 3e-5
+
+
+@pytest.mark.timeout(60)
+def test_a_calibrated_launch_overhead_prices_every_op_and_optimizer_tensor():
+    """The step time grows by the overhead difference × (3 × ops per layer + AdamW's 10
+    ops per parameter tensor): the only terms that use it."""
+    from autohybrid.search.pricing import OPTIMIZER_OPS_PER_TENSOR, Layout, price
+    from autohybrid.search.space import profile as model_profile
+    from autohybrid.capture import capture
+    from autohybrid.plan import Mesh
+    model = ah.models.preset("gpt-tiny", device="meta")
+    (tokens,), targets = ah.models.example_batch(model, 4, device="meta")
+    cap = capture(model, (tokens,), lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten()),
+                  targets)
+    prof = model_profile(cap.gm, cap.dim_roles)
+    layout = Layout(Mesh(pp=1, dp=1, tp=1), 4, 1)
+    steps = {}
+    for overhead in (1e-6, 2e-5):
+        cluster = _profile(launch_overhead_s=overhead).apply(ah.Cluster.local(1))
+        steps[overhead] = price(prof, cluster, layout, 16, "float32", 4, "adam", 4)\
+            .prediction.step_time_s
+    ops = sum(layer.num_ops for layer in prof.layers)
+    tensors = len({name for layer in prof.layers for name, _, _ in layer.params})
+    expected = (2e-5 - 1e-6) * (3 * ops + OPTIMIZER_OPS_PER_TENSOR["adam"] * tensors)
+    assert steps[2e-5] - steps[1e-6] == pytest.approx(expected, rel=1e-9)
 
 
 @pytest.mark.timeout(120)
@@ -58,6 +89,7 @@ def test_calibrate_measures_two_local_ranks_and_plans_use_it():
     assert profile.world_size == 2 and profile.matmul_flops["float32"] > 1e8
     assert profile.memory_bandwidth > 1e8
     assert profile.all_reduce_latency_s is not None and len(profile.samples["all_reduce_s"]) == 4
+    assert 1e-8 < profile.launch_overhead_s < 1e-3
     model = ah.models.preset("gpt-tiny")
     (tokens,), _ = ah.models.example_batch(model, 8)
     plain = ah.plan(model, ah.Cluster.local(2), (tokens,), executable_only=True)
@@ -68,5 +100,5 @@ def test_calibrate_measures_two_local_ranks_and_plans_use_it():
     fast_plan = ah.plan(model, ah.Cluster.local(2), (tokens,), executable_only=True,
                         calibration=fast)
     assert plain.calibration_hash is None and slow_plan.calibration_hash == slow.hash()
-    # 1000× slower figures; per-op launch overhead (not calibrated) is the same in both
+    # 1000× slower figures; per-op launch overhead (not in these profiles) is the same
     assert slow_plan.predicted.compute_s > 10 * fast_plan.predicted.compute_s

@@ -56,7 +56,7 @@ def tiny_plan() -> Plan:
 
 @pytest.mark.timeout(60)
 def test_plan_json_round_trip_is_byte_identical(tiny_plan: Plan, tmp_path) -> None:
-    assert tiny_plan.world_size == 4 and tiny_plan.mesh.dp == 4
+    assert tiny_plan.world_size == 4 and tiny_plan.mesh.world_size == 4
     text = tiny_plan.to_json()
     assert Plan.from_json(text) == tiny_plan
     path = tmp_path / "plan.json"
@@ -134,10 +134,11 @@ def test_plan_degrees_and_placement_must_match(tiny_plan: Plan) -> None:
         with pytest.raises(ah.PlanError, match=re.escape(field)):
             Plan.from_dict(_edited(tiny_plan, edit))
 
-    # dp 2 with a consistent batch, but the placement still lists 4 ranks
+    # twice the dp degree with a consistent batch, but the placement still lists 4 ranks
     def dp2(data: dict) -> None:
-        data["mesh"]["dp"] = 2
-        data["global_batch"] = 2 * data["microbatch_size"] * data["num_microbatches"]
+        data["mesh"]["dp"] *= 2
+        data["global_batch"] = data["mesh"]["dp"] * data["microbatch_size"] \
+            * data["num_microbatches"]
     check(dp2, "plan.placement")
     check(lambda d: d["placement"].pop(), "plan.placement")             # 3 ranks for 4
     check(lambda d: d["placement"][1].update(rank=0), "plan.placement")  # rank 0 twice

@@ -22,7 +22,6 @@ from ..graph import AH_ROLE, VAL, VIEW_OPS, op_name
 #: ceilings" (large bf16 GEMMs reach 75–80 % of peak; memory-bound kernels ~80 % of HBM).
 MATMUL_EFFICIENCY = 0.80
 MEMORY_EFFICIENCY = 0.80
-LAUNCH_OVERHEAD_S = 5e-6
 
 MATMUL_OPS = frozenset({
     "aten.linear.default", "aten.mm.default", "aten.bmm.default", "aten.matmul.default",

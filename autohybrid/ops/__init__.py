@@ -5,3 +5,4 @@ groups the ops use (`groups.bind`). Graph nodes name a mesh axis ("dp", "tp", "p
 a process group, so one graph is valid on every rank.
 """
 from . import batch_norm, groups  # noqa: F401  (registers the autohybrid:: custom ops)
+from . import tensor_parallel, vocab_parallel  # noqa: F401  (tensor/sequence/vocab-parallel ops)

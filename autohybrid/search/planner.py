@@ -160,14 +160,14 @@ def _layouts(profile: ModelProfile, cluster, request: PlanRequest,
 
 def _tp_degrees(profile: ModelProfile, cluster, pinned: Constraints,
                 skipped: list[str]) -> list[int]:
-    if pinned.tp:
-        return [pinned.tp]
+    # unpinned, tp groups stay inside a node (pin tp to see other degrees priced)
+    candidates = [pinned.tp] if pinned.tp else [
+        tp for tp in divisors(cluster.world_size) if cluster.devices_per_node % tp == 0]
     out = []
-    for tp in divisors(cluster.world_size):
-        if cluster.devices_per_node % tp:
-            continue  # tp groups stay inside a node (pin tp to see other degrees priced)
-        if profile.heads and profile.heads % tp:
-            skipped.append(f"tp={tp} does not divide {profile.heads} attention heads")
+    for tp in candidates:
+        problem = profile.tp_problem(tp)
+        if problem:
+            skipped.append(problem)
             continue
         out.append(tp)
     return out

@@ -16,14 +16,20 @@ import math
 from dataclasses import dataclass, replace
 
 from ..cost import comm
-from ..cost.compute import LAUNCH_OVERHEAD_S, MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
+from ..cost.compute import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
 from ..cost.memory import dtype_bytes, training_state, usable_bytes
 from ..plan import MemoryBreakdown, Mesh, Prediction
-from .space import LayerProfile, ModelProfile, local_params, split_ways
+from .space import LayerProfile, ModelProfile, split_ways
 from .stages import partition
 
 #: Update of the optimizer: bytes touched per parameter (read/write weights, grads, states).
 OPTIMIZER_BYTES_PER_PARAM = 16.0
+#: Ops torch's single-tensor optimizers run per parameter tensor and step (counted with a
+#: dispatch-mode counter on torch 2.13: AdamW 10, SGD with momentum 3, plain SGD 1); each
+#: pays the device's launch overhead, which dominates the update of small models. That is
+#: torch's default on CPU; on accelerators the default multi-tensor (foreach) path runs
+#: these ops once over all tensors, so they are charged once per step there.
+OPTIMIZER_OPS_PER_TENSOR = {"adam": 10, "sgd": 3, "none": 1}
 #: Attention kernels. "flash" (SDPA's fused kernels, what autohybrid runs) never stores
 #: the score matrix. "materialized" (Megatron-LM before flash attention, the setting of
 #: Korthikanti et al.) writes scores, softmax and dropout mask: per score element about
@@ -31,11 +37,11 @@ OPTIMIZER_BYTES_PER_PARAM = 16.0
 #: backward (their 5·a·s²·b activation term).
 ATTENTION_IMPLEMENTATIONS = ("flash", "materialized")
 #: Share of tensor-parallel communication Megatron-Core hides behind compute (its TP
-#: communication overlap). Fitted (grid of 0.05) as the value minimizing the squared
-#: log-error of predicted TFLOP/s on the 1.7B–70B Megatron-Core rows of
-#: `shared/reference/published_runs.md` (benchmarks/published_runs.py): 0.75, giving
-#: predicted/published 1.07, 0.99, 0.95, 0.96, 1.07 (0.0 gives 1.07 … 0.77).
-TP_OVERLAP_MEGATRON_CORE = 0.75
+#: communication overlap). Fitted (grid of 0.05, `published_runs.fit_tp_overlap`) as the
+#: value minimizing the squared log-error of predicted TFLOP/s on the nine Megatron-Core
+#: rows (1.7B–462B) of `shared/reference/published_runs.md`: 0.60, giving predicted /
+#: published 1.07, 0.98, 0.93, 0.91, 1.02, 1.06, 1.06, 1.02, 1.04 (0.0 gives 1.07 … 0.77).
+TP_OVERLAP_MEGATRON_CORE = 0.60
 MATERIALIZED_ACCESSES_FORWARD = 8
 MATERIALIZED_SAVED_PER_SCORE = 2 + 2 + 1
 
@@ -87,7 +93,8 @@ class LayerTimes:
 
 def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
                 dtype: str, graph_dtype_bytes: int, attention: str = "flash",
-                tp_overlap: float = 0.0, kv_heads: int | None = None) -> LayerTimes:
+                tp_overlap: float = 0.0, kv_heads: int | None = None,
+                vocab: int | None = None) -> LayerTimes:
     mesh, b = layout.mesh, layout.microbatch_size
     t, sp = mesh.tp, mesh.sp
     v = layer.values(b, seq)
@@ -95,8 +102,9 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
     device = cluster.device
     peak = device.peak_flops.get(dtype) or max(device.peak_flops.values())
     replicated_share = 1.0 / t if sp else 1.0
-    kv = split_ways("kv", t, kv_heads)
-    matmul = (v["mm_sharded"] / t + v["mm_kv"] / kv + v["mm_replicated"]) \
+    kv, vocab_ways = split_ways("kv", t, kv_heads), split_ways("vocab", t, vocab=vocab)
+    matmul = (v["mm_sharded"] / t + v["mm_kv"] / kv + v["mm_vocab"] / vocab_ways
+              + v["mm_replicated"]) \
         / (peak * MATMUL_EFFICIENCY)
     moved = (v["bytes_sharded"] / t + v["bytes_replicated"] * replicated_share) * scale
     other = (v["other_sharded"] / t + v["other_replicated"] * replicated_share) / peak
@@ -108,7 +116,7 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
         core += MATERIALIZED_ACCESSES_FORWARD * dtype_bytes(dtype) * scores / bandwidth
         moved += MATERIALIZED_ACCESSES_FORWARD * dtype_bytes(dtype) * scores
         scores_saved = MATERIALIZED_SAVED_PER_SCORE * scores
-    forward = matmul + max(moved / bandwidth, other) + layer.num_ops * LAUNCH_OVERHEAD_S
+    forward = matmul + max(moved / bandwidth, other) + layer.num_ops * device.launch_overhead_s
     recompute = {"none": 0.0, "full": forward, "selective": core}[layout.recompute]
     tp_ranks = list(range(t))
     tp_comm = 0.0
@@ -174,7 +182,7 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
         key = (layer.signature, *shape)
         if key not in cache:
             cache[key] = layer_times(layer, cluster, layout, seq, dtype, graph_dtype_bytes,
-                                     attention, tp_overlap, profile.kv_heads)
+                                     attention, tp_overlap, profile.kv_heads, profile.vocab)
         times.append(cache[key])
     per_layer = [x.forward + x.backward + x.recompute + x.tp_comm for x in times]
     split_key = ("split", mesh.pp, *shape)
@@ -198,7 +206,7 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
     for k in range(mesh.pp):
         key = ("params", bounds[k], bounds[k + 1], mesh.tp)
         if key not in cache:
-            cache[key] = local_params(layers[k], mesh.tp, profile.kv_heads)
+            cache[key] = profile.local_params(layers[k], mesh.tp)
         params.append(cache[key])
     memories, grad_sync, exposed = [], 0.0, 0.0
     for k in range(mesh.pp):
@@ -215,6 +223,10 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
     params_local = max(params)
     update = params_local / (mesh.dp if layout.zero else 1) * OPTIMIZER_BYTES_PER_PARAM \
         / (cluster.device.memory_bandwidth * MEMORY_EFFICIENCY)
+    tensors = max(len({name for layer in s for name, _, _ in layer.params}) for s in layers)
+    if cluster.cluster.device_type != "cpu":
+        tensors = 1  # foreach: one launch per op over every tensor
+    update += tensors * OPTIMIZER_OPS_PER_TENSOR[optimizer] * cluster.device.launch_overhead_s
     step = compute + p2p + exposed + update
     tp_total = m * max(sum(x.tp_comm for x in s) for s in stages)  # on the slowest stage
     peak = cluster.device.peak_flops.get(dtype) or max(cluster.device.peak_flops.values())

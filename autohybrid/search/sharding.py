@@ -10,9 +10,19 @@ vocabulary-parallel cross-entropy (three all-reduces of one value per token, nev
 logits). Shard dims are followed through views, transposes and splits; where a sharded
 value meets an op that needs it whole along the shard dim, an all-gather joins it.
 
+Linear-like ops are `aten.linear` (weight out × in) and `aten.addmm` / `aten.mm` /
+`aten.matmul` with a 2-D parameter as the right operand (weight in × out, Hugging Face's
+Conv1D). Position embeddings (indices built from `arange`) stay replicated, as in Megatron.
+
+Generic linears: a linear-like op Megatron's rules leave replicated (its output does not
+reach a row linear, an attention or the loss) is an open decision — column-parallel, with
+whatever resharding its consumers then need, or replicated. `choose_layout` takes the
+cheapest consistent choice under a per-token cost (`Rates`: compute, memory-bound ops and
+tp-link transfers of forward and backward), starting from Megatron's assignment.
+
 Placements use DTensor's vocabulary: "replicate", "shard(d)", "partial". The result is
-independent of the tp degree (divisibility is checked by the planner), so it is computed
-once per graph.
+independent of the tp degree (divisibility is checked by the planner; vocabularies that do
+not divide are padded), so it is computed once per graph.
 """
 from __future__ import annotations
 
@@ -65,6 +75,52 @@ class Collective:
     nbytes: sympy.Expr
 
 
+@dataclass(frozen=True)
+class LinearParts:
+    """A linear-like op: `x @ W(+ b)`; the weight dims that column / row parallelism split."""
+
+    x: fx.Node
+    weight: fx.Node
+    bias: fx.Node | None
+    column_dim: int   # weight dim of the output features
+    row_dim: int      # weight dim of the input features
+
+
+def linear_parts(node: fx.Node) -> LinearParts | None:
+    """`node` as a linear with a parameter weight, else None (e.g. activation @ activation)."""
+    if node.op != "call_function":
+        return None
+    name, args = op_name(node), node.args
+    if name == "aten.linear.default":
+        bias = args[2] if len(args) > 2 and isinstance(args[2], fx.Node) else None
+        return LinearParts(args[0], args[1], bias, 0, 1)
+    if name == "aten.addmm.default":
+        bias, x, weight = args[0], args[1], args[2]
+    elif name in ("aten.mm.default", "aten.matmul.default"):
+        bias, x, weight = None, args[0], args[1]
+    else:
+        return None
+    value = _val(weight)
+    if not (isinstance(weight, fx.Node) and weight.meta.get(AH_ROLE) == "param"
+            and value is not None and value.dim() == 2):
+        return None
+    return LinearParts(x, weight, bias if isinstance(bias, fx.Node) else None, 1, 0)
+
+
+def is_position_embedding(node: fx.Node, budget: int = 16) -> bool:
+    """An embedding looked up with indices computed from `arange` (positions), not data."""
+    frontier = [node.args[1]]
+    while frontier and budget > 0:
+        current = frontier.pop()
+        budget -= 1
+        if not isinstance(current, fx.Node) or current.op != "call_function":
+            continue
+        if op_name(current).startswith("aten.arange"):
+            return True
+        frontier.extend(current.all_input_nodes)
+    return False
+
+
 @dataclass
 class TensorParallelLayout:
     """Placements of every node and the collectives the tp axis needs, per node name."""
@@ -75,6 +131,11 @@ class TensorParallelLayout:
     collectives: list[Collective] = field(default_factory=list)
     kv_linears: set[str] = field(default_factory=set)   # key/value-only projections (GQA)
     kv_params: set[str] = field(default_factory=set)    # their weights and biases
+    vocab_params: set[str] = field(default_factory=set)  # split by vocabulary rows (padded)
+    vocab_linears: set[str] = field(default_factory=set)  # output layers over the vocabulary
+    vocab: int | None = None                             # the vocabulary size they split
+    open: list[str] = field(default_factory=list)        # generic linears: cost decides
+    shard_sizes: dict[str, int] = field(default_factory=dict)  # param → size of split dim
 
     def is_sharded(self, node: fx.Node) -> bool:
         return self.placements.get(node.name, R) != R
@@ -100,7 +161,8 @@ def _flows_to_consumer_that_shards(node: fx.Node, dim: int, budget: int = 64) ->
             name = op_name(user)
             if _is_check(user):
                 continue
-            if name == "aten.linear.default" and user.args[0] is current:
+            parts = linear_parts(user)
+            if parts is not None and parts.x is current:
                 return d == _val(current).dim() - 1
             if name in _CLASS_LOSSES or name == "aten.scaled_dot_product_attention.default":
                 return True
@@ -125,7 +187,7 @@ def _follow(user: fx.Node, src: fx.Node, dim: int):
     if user.target is operator.getitem:
         return dim
     if name in _VIEWS:
-        return _view_dim(_val(src), _val(user), dim)
+        return _view_dim(_val(src), _val(user), dim, user)
     if name in _TRANSPOSES:
         rank = _val(src).dim()
         if name == "aten.t.default":
@@ -169,32 +231,64 @@ def _follow(user: fx.Node, src: fx.Node, dim: int):
     return None
 
 
-def _view_dim(src: torch.Tensor, out: torch.Tensor, dim: int) -> int | None:
-    """The dim of `out` where a shard on `src` dim `dim` lands (split dims: a divisible one)."""
+def _view_dim(src: torch.Tensor, out: torch.Tensor, dim: int,
+              view: fx.Node | None = None) -> int | None:
+    """The dim of `out` where a shard on `src` dim `dim` lands.
+
+    A view that splits the shard dim into several (hidden → heads × head_dim, or
+    fused qkv → 3 × heads × head_dim) keeps the shard on the outermost of them, except a
+    dim the graph later takes apart (unbind/select/split along it: the fused count)."""
     before = sympy.Mul(*[sym_expr(s) for s in src.shape[:dim]])
     width = sym_expr(src.shape[dim])
     running = sympy.Integer(1)
     for k, size in enumerate(out.shape):
         if running == before:
-            # dims k.. of out cover the shard dim; take the first whose size is not the
-            # small fused-projection count (3 for qkv, 2 for gate/up) when there are several
             span, covered = [], sympy.Integer(1)
             for j in range(k, out.dim()):
                 span.append(j)
                 covered = covered * sym_expr(out.shape[j])
                 if covered == width:
                     break
-            for j in span:
-                s = out.shape[j]
-                if not (isinstance(s, int) and s <= 3 and len(span) > 1):
+            for j in span[:-1]:
+                if view is None or not _taken_apart(view, j):
                     return j
-            return span[0]
+            return span[-1]
         running = running * sym_expr(size)
     return None
 
 
-def megatron_layout(gm: fx.GraphModule) -> TensorParallelLayout:
-    """Propagate Megatron's shardings through `gm` (forward graph order)."""
+_TAKE_APART = {"aten.unbind.int", "aten.select.int", "aten.split.Tensor",
+               "aten.split_with_sizes.default", "aten.chunk.default"}
+
+
+def _taken_apart(node: fx.Node, dim: int, budget: int = 8) -> bool:
+    """Is dim `dim` of `node` later unbound, selected or split (through transposes)?"""
+    frontier = [(node, dim)]
+    while frontier and budget > 0:
+        current, d = frontier.pop()
+        budget -= 1
+        for user in current.users:
+            name = op_name(user)
+            if name in _TAKE_APART:
+                position = 1 if name in ("aten.unbind.int", "aten.select.int") else 2
+                along = user.args[position] if len(user.args) > position else 0
+                if along % _val(current).dim() == d:
+                    return True
+            elif name in _TRANSPOSES or name in ("aten.contiguous.default", "aten.clone.default"):
+                moved = _follow(user, current, d)
+                if moved is not None:
+                    frontier.append((user, moved))
+    return False
+
+
+def megatron_layout(gm: fx.GraphModule, choices: dict[str, str] | None = None
+                    ) -> TensorParallelLayout:
+    """Propagate Megatron's shardings through `gm` (forward graph order).
+
+    `choices` decides open generic linears by node name ("column" or "replicate"); the
+    ones it leaves out keep Megatron's rule (replicated).
+    """
+    choices = choices or {}
     layout = TensorParallelLayout()
     place = layout.placements
     for node in gm.graph.nodes:
@@ -202,19 +296,24 @@ def megatron_layout(gm: fx.GraphModule) -> TensorParallelLayout:
             place[node.name] = R
             continue
         name = op_name(node)
-        ins = [a for a in node.args if isinstance(a, fx.Node)]
+        ins = node.all_input_nodes  # lists too (cat, broadcast_tensors)
         if node.target is operator.getitem:
             place[node.name] = place.get(node.args[0].name, R)
             continue
         if _is_check(node):
             place[node.name] = R
             continue
-        if name == "aten.linear.default":
-            _linear(node, layout)
+        parts = linear_parts(node)
+        if parts is not None:
+            _linear(node, parts, layout, choices.get(node.name))
             continue
         if name == "aten.embedding.default":
-            layout.param_placements[param_key(node.args[0])] = shard(0)
             place[node.name] = R
+            if is_position_embedding(node):
+                continue
+            weight = node.args[0]
+            layout.param_placements[param_key(weight)] = shard(0)
+            _mark_vocab(layout, weight, 0)
             layout.collectives.append(Collective(node.name, "all_reduce", "forward",
                                                  nbytes_expr(_val(node))))
             continue
@@ -227,6 +326,7 @@ def megatron_layout(gm: fx.GraphModule) -> TensorParallelLayout:
             tokens = sympy.Mul(*[sym_expr(s) for s in _val(node.args[0]).shape[:-1]])
             layout.collectives.append(Collective(node.name, "all_reduce", "forward",
                                                  3 * tokens * 4))
+            _mark_vocab_head(layout, node.args[0])
             continue
         if name == "aten.scaled_dot_product_attention.default":
             place[node.name] = shard(1)
@@ -244,6 +344,31 @@ def megatron_layout(gm: fx.GraphModule) -> TensorParallelLayout:
     return layout
 
 
+def _mark_vocab(layout: TensorParallelLayout, weight: fx.Node, dim: int) -> None:
+    layout.vocab_params.add(param_key(weight))
+    layout.vocab = int(_val(weight).shape[dim])
+
+
+def _mark_vocab_head(layout: TensorParallelLayout, logits: fx.Node, budget: int = 16) -> None:
+    """The column linear producing the logits a vocabulary-parallel loss reads."""
+    frontier = [logits]
+    while frontier and budget > 0:
+        node = frontier.pop()
+        budget -= 1
+        if not isinstance(node, fx.Node) or node.op != "call_function":
+            continue
+        parts = linear_parts(node)
+        if parts is not None:
+            if layout.linear_roles.get(node.name) == "column":
+                layout.vocab_linears.add(node.name)
+                _mark_vocab(layout, parts.weight, parts.column_dim)
+                if parts.bias is not None:
+                    layout.vocab_params.add(param_key(parts.bias))
+            continue
+        frontier.extend(a for a in node.all_input_nodes if shard_dim(
+            layout.placements.get(a.name, R)) is not None)
+
+
 def _attention_sources(value: fx.Node, budget: int = 64) -> set[fx.Node]:
     """The linears an attention operand comes from, through views and elementwise ops."""
     found, frontier, seen = set(), [value], set()
@@ -253,7 +378,7 @@ def _attention_sources(value: fx.Node, budget: int = 64) -> set[fx.Node]:
         if node in seen or node.op != "call_function":
             continue
         seen.add(node)
-        if op_name(node) == "aten.linear.default":
+        if linear_parts(node) is not None:
             found.add(node)
             continue
         frontier.extend(a for a in node.all_input_nodes
@@ -275,15 +400,16 @@ def mark_key_value_projections(gm: fx.GraphModule, layout: TensorParallelLayout)
                                         if isinstance(a, fx.Node))
 
 
-def _linear(node: fx.Node, layout: TensorParallelLayout) -> None:
-    x, weight = node.args[0], node.args[1]
-    bias = node.args[2] if len(node.args) > 2 else None
+def _linear(node: fx.Node, parts: LinearParts, layout: TensorParallelLayout,
+            choice: str | None) -> None:
+    x, weight, bias = parts.x, parts.weight, parts.bias
     place = layout.placements
     out = _val(node)
     x_dim = shard_dim(place.get(x.name, R))
     if x_dim is not None and x_dim == _val(x).dim() - 1:  # row-parallel: partial → all-reduce
         layout.linear_roles[node.name] = "row"
-        layout.param_placements[param_key(weight)] = shard(1)
+        layout.param_placements[param_key(weight)] = shard(parts.row_dim)
+        layout.shard_sizes[param_key(weight)] = int(_val(weight).shape[parts.row_dim])
         place[node.name] = R
         layout.collectives.append(Collective(node.name, "all_reduce", "forward",
                                              nbytes_expr(out)))
@@ -291,10 +417,14 @@ def _linear(node: fx.Node, layout: TensorParallelLayout) -> None:
     if x_dim is not None:  # sharded elsewhere: gather, then decide as for a replicated input
         layout.collectives.append(Collective(node.name, "all_gather", "forward",
                                              nbytes_expr(_val(x))))
-    if _flows_to_consumer_that_shards(node, out.dim() - 1):
+    megatron = _flows_to_consumer_that_shards(node, out.dim() - 1)
+    if not megatron:
+        layout.open.append(node.name)
+    if megatron or choice == "column":
         layout.linear_roles[node.name] = "column"
-        layout.param_placements[param_key(weight)] = shard(0)
-        if isinstance(bias, fx.Node):
+        layout.param_placements[param_key(weight)] = shard(parts.column_dim)
+        layout.shard_sizes[param_key(weight)] = int(_val(weight).shape[parts.column_dim])
+        if bias is not None:
             layout.param_placements[param_key(bias)] = shard(0)
         place[node.name] = shard(out.dim() - 1)
         # Megatron's f: one backward all-reduce per distinct input (q, k, v share theirs)

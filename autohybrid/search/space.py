@@ -21,11 +21,13 @@ from ..cost.compute import (MATMUL_OPS, _tensors, bytes_moved, forward_flops, nb
 from ..graph import AH_PARAM, AH_ROLE, VAL, VIEW_OPS, op_name
 from .layers import Layer, segment
 from .sharding import R, TensorParallelLayout, megatron_layout, param_key
+from .tp_choice import Rates, choose_layout
 
 #: Order of the per-layer quantities evaluated together (one compiled function per layer).
 FIELDS = ("mm_sharded", "mm_replicated", "other_sharded", "other_replicated",
           "bytes_sharded", "bytes_replicated", "saved_sharded", "saved_replicated",
-          "attention_flops", "attention_saved", "attention_scores", "input_bytes", "mm_kv")
+          "attention_flops", "attention_saved", "attention_scores", "input_bytes", "mm_kv",
+          "mm_vocab")
 
 
 @dataclass(frozen=True)
@@ -39,26 +41,32 @@ class Collective:
 class LayerProfile:
     name: str
     signature: str
-    params: tuple[tuple[str, int, str], ...]   # (canonical name, numel, split: tp|kv|none)
+    params: tuple[tuple[str, int, str], ...]   # (canonical name, numel, tp|kv|vocab|none)
     num_ops: int
     values: Callable[[int, int], dict[str, float]]
     collectives: list[Collective] = field(default_factory=list)
 
 
-def split_ways(split: str, tp: int, kv_heads: int | None) -> int:
-    """Over how many tp ranks a value marked `split` ("tp", "kv", "none") is divided."""
+def split_ways(split: str, tp: int, kv_heads: int | None = None,
+               vocab: int | None = None) -> float:
+    """Over how many tp ranks a value marked `split` ("tp", "kv", "vocab", "none") is
+    divided: its size over the size one rank holds."""
     if split == "kv" and kv_heads:
         return min(tp, kv_heads)  # more ranks than KV heads: KV heads are replicated
-    return tp if split in ("tp", "kv") else 1
+    if split == "vocab" and vocab:
+        return vocab / -(-vocab // tp)  # padded to a multiple of tp: ceil(V / tp) rows each
+    return tp if split in ("tp", "kv", "vocab") else 1
 
 
-def local_params(layers: list[LayerProfile], tp: int, kv_heads: int | None = None) -> float:
-    """Parameters one tp rank holds for `layers` (a tied parameter counted once)."""
+def local_params(layers: list[LayerProfile], tp: int, kv_heads: int | None = None,
+                 vocab: int | None = None) -> float:
+    """Parameters one tp rank holds for `layers` (a tied parameter counted once; padded
+    vocabulary rows counted)."""
     unique = {name: (count, split) for layer in layers for name, count, split in layer.params}
-    return sum(count / split_ways(split, tp, kv_heads) for count, split in unique.values())
+    return sum(count / split_ways(split, tp, kv_heads, vocab) for count, split in unique.values())
 
 
-_MATMUL_FIELDS = ("mm_sharded", "mm_kv", "mm_replicated")
+_MATMUL_FIELDS = ("mm_sharded", "mm_kv", "mm_vocab", "mm_replicated")
 _OTHER_FIELDS = ("other_sharded", "other_replicated")
 
 
@@ -69,6 +77,22 @@ class ModelProfile:
     param_count: int              # unique parameters (tied weights once)
     heads: int | None             # attention heads, for tp divisibility (None: no attention)
     kv_heads: int | None
+    vocab: int | None = None      # vocabulary of the vocabulary-parallel layers
+
+    def local_params(self, layers: list[LayerProfile], tp: int) -> float:
+        return local_params(layers, tp, self.kv_heads, self.vocab)
+
+    def tp_problem(self, tp: int) -> str | None:
+        """Why the tp layout cannot split `tp` ways (None: it can)."""
+        if self.heads and self.heads % tp:
+            return f"tp={tp} does not divide {self.heads} attention heads"
+        if self.kv_heads and self.kv_heads % min(tp, self.kv_heads):
+            return f"tp={tp} does not divide {self.kv_heads} key/value heads"
+        for name, size in sorted(self.layout.shard_sizes.items()):
+            if name not in self.layout.vocab_params and name not in self.layout.kv_params \
+                    and size % tp:
+                return f"tp={tp} does not divide the split dim ({size}) of {name}"
+        return None
 
     def forward_flops(self, batch: int, seq: int | None, matmul_only: bool = False) -> float:
         """FLOPs of one forward pass over `batch` samples (the whole model, unsplit)."""
@@ -81,8 +105,11 @@ class ModelProfile:
         return 3.0 * self.forward_flops(batch, seq)
 
 
-def profile(gm: fx.GraphModule, dim_roles: dict[sympy.Symbol, str]) -> ModelProfile:
-    layout = megatron_layout(gm)
+def profile(gm: fx.GraphModule, dim_roles: dict[sympy.Symbol, str],
+            rates: Rates | None = None) -> ModelProfile:
+    """The costed model; `rates` (from the cluster) decide the generic linears' shardings
+    (search/tp_choice.py), None keeps Megatron's assignment alone."""
+    layout = choose_layout(gm, rates) if rates is not None else megatron_layout(gm)
     batch, seq = sympy.symbols("batch seq", positive=True, integer=True)
     subs = {s: (batch if role == "batch" else seq) for s, role in dim_roles.items()}
     compiled: dict[str, tuple] = {}
@@ -99,13 +126,15 @@ def profile(gm: fx.GraphModule, dim_roles: dict[sympy.Symbol, str]) -> ModelProf
     unique = {n.meta.get(AH_PARAM, n.name): n.meta[VAL].numel() for n in gm.graph.nodes
               if n.op == "placeholder" and n.meta.get(AH_ROLE) == "param"}
     heads, kv_heads = _heads(gm)
-    return ModelProfile(layers, layout, sum(unique.values()), heads, kv_heads)
+    return ModelProfile(layers, layout, sum(unique.values()), heads, kv_heads, layout.vocab)
 
 
 def _layer_params(layer: Layer, layout: TensorParallelLayout) -> tuple[tuple[str, int, bool], ...]:
     def split(p: fx.Node) -> str:
         if param_key(p) in layout.kv_params:
             return "kv"
+        if param_key(p) in layout.vocab_params:
+            return "vocab"
         return "tp" if layout.param_placements.get(param_key(p), R) != R else "none"
     return tuple((param_key(p), p.meta[VAL].numel(), split(p)) for p in layer.params())
 
@@ -126,6 +155,8 @@ def _compile_layer(layer: Layer, layout: TensorParallelLayout, subs: dict, batch
         mm = name in MATMUL_OPS
         if node.name in layout.kv_linears:
             sums["mm_kv"].append(forward_flops(node))
+        elif node.name in layout.vocab_linears:
+            sums["mm_vocab"].append(forward_flops(node))
         else:
             sums[f"{'mm' if mm else 'other'}_{part}"].append(forward_flops(node))
         sums[f"bytes_{part}"].append(bytes_moved(node))
