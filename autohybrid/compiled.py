@@ -26,6 +26,7 @@ from .errors import AutohybridError, PlanError
 from .plan import Constraints, Plan
 from .runtime.executor import Executor, check_same_plan
 from .runtime.groups import build_mesh, ensure_initialized
+from .runtime.tp_state import ShardedParameters
 
 
 class CompiledModel:
@@ -41,6 +42,7 @@ class CompiledModel:
         self._move_to_device()
         self.example_inputs = tuple(t.to(self.device) for t in example_inputs)
         self._forward_captures: dict[bool, CapturedGraph] = {}
+        self.sharded: ShardedParameters | None = None  # this rank's shards (tp > 1)
         forward = self._forward_capture()
         self._train: CapturedGraph | None = None
         if example_targets is not None:
@@ -61,13 +63,22 @@ class CompiledModel:
         self.coords = plan.mesh.coords(self.rank)
         dp_group = mesh.get_group("dp") if mesh is not None and plan.mesh.dp > 1 else None
         state = self._train.default_state(model) if self._train else forward.default_state(model)
-        self.executor = Executor(plan, self.rank, self.coords[1], dp_group,
-                                 _full_state(model, state), self._unique_params())
         self.graphs: dict[str, fx.GraphModule] = {}
         self.notes: dict[str, dict[str, Any]] = {}
         self.programs: dict[str, CapturedGraph] = {}
         if self._train is not None:
             self._rewrite("train", self._train)
+        elif plan.mesh.tp > 1:  # the shards come from the forward graph until training
+            self._rewrite(self._forward_kind(), forward)
+        if plan.mesh.tp > 1:
+            specs = next(iter(self.notes.values()))["param_shards"]
+            tp_group = mesh.get_group("tp") if mesh is not None else None
+            self.sharded = ShardedParameters(model, specs, tp_group, plan.mesh.tp)
+            self.sharded.into_state(state)
+            if optimizer_factory:  # over this rank's shards
+                self.optimizer = optimizer_factory(self._unique_params())
+        self.executor = Executor(plan, self.rank, self.coords[1], dp_group,
+                                 _full_state(model, state), self._unique_params())
 
     # ------------------------------------------------------------------ set-up helpers
     def _move_to_device(self) -> None:
@@ -79,7 +90,13 @@ class CompiledModel:
             self.device = torch.device("cpu")
 
     def _unique_params(self) -> list[nn.Parameter]:
+        """The parameters this rank trains: the model's own, or its shards of split ones."""
+        if self.sharded is not None:
+            return self.sharded.parameters(self.model)
         return list(self.model.parameters())
+
+    def _forward_kind(self) -> str:
+        return f"forward_{'train' if self.model.training else 'eval'}"
 
     def _forward_capture(self) -> CapturedGraph:
         mode = self.model.training
@@ -105,6 +122,8 @@ class CompiledModel:
         if cap.with_loss:
             ctx.notes["loss_output_index"] = cap.user_outputs[0]
         gm = passes_mod.run_passes(cap.gm, ctx, passes_mod.passes_for(ctx.graph_kind))
+        if self.sharded is not None:
+            self.sharded.check_same(ctx.notes.get("param_shards", {}), kind)
         outputs = list(cap.user_outputs)
         if cap.with_loss:  # global_loss appended the denominator as the last output
             outputs.append(len(cap.mutated_buffers) + len(cap.user_outputs))
@@ -159,11 +178,18 @@ class CompiledModel:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by their global norm (across all shards); returns the norm."""
-        grads = [p.grad for p in self._unique_params() if p.grad is not None]
+        params = self._unique_params()
+        grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return torch.zeros(())
-        norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads])
-        total = torch.linalg.vector_norm(norms, norm_type)
+        if self.sharded is not None:
+            if norm_type != 2.0:
+                raise AutohybridError(f"clip_grad_norm_ with tensor parallelism supports the "
+                                      f"2-norm only, got norm_type={norm_type}")
+            total = self.sharded.squared_norm(params).sqrt().to(grads[0].dtype)
+        else:
+            norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads])
+            total = torch.linalg.vector_norm(norms, norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef.to(g.dtype))
@@ -177,7 +203,7 @@ class CompiledModel:
     # ------------------------------------------------------------------ forward only
     def __call__(self, inputs: Any) -> Any:
         cap = self._forward_capture()
-        kind = f"forward_{'train' if self.model.training else 'eval'}"
+        kind = self._forward_kind()
         program = self.programs.get(kind) or self._rewrite(kind, cap)
         tensors = self._inputs(inputs, "inputs", len(self.example_inputs))
         with torch.no_grad():
@@ -188,11 +214,18 @@ class CompiledModel:
         return list(self.model.named_parameters())
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter and buffer, whole, as `model.state_dict()` names them."""
+        """Every parameter and buffer, whole, as `model.state_dict()` names them (split
+        parameters gathered from the tp group: every rank must call it)."""
+        if self.sharded is not None:
+            return self.sharded.full_state(self.model)
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
-        """The gradients of the last step, whole, keyed like `model.named_parameters()`."""
+        """The gradients of the last step, whole, keyed like `model.named_parameters()`
+        (split ones gathered from the tp group: every rank must call it)."""
+        if self.sharded is not None:
+            grads = self.sharded.full_grads(self.model)
+            return {n: grads[n] for n, _ in self.model.named_parameters()}
         return {n: (p.grad.detach().clone() if p.grad is not None else None)
                 for n, p in self.model.named_parameters()}
 

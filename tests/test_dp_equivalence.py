@@ -29,6 +29,7 @@ from _equiv import (OPTIMIZERS, ZOO, Failures, compare_training, default_eager_l
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 100  # below every test timeout: launch then cleans up and says why
+DATA_PARALLEL = ah.Constraints(tp=1, pp=1)  # where a test resets the model's own weights
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -62,7 +63,8 @@ def _zoo_rank(rank: int, world: int) -> list[str]:
         model = copy.deepcopy(initial)
         case = f"{name}/adamw/dp{world}"
         compiled, ref = train_and_compare(fails, case, model, batches, world,
-                                          loss_fn=zoo_loss(name), optimizer=OPTIMIZERS["adamw"])
+                                          loss_fn=zoo_loss(name), optimizer=OPTIMIZERS["adamw"],
+                                          constraints=DATA_PARALLEL)
         fails.check(f"{case}: plan is {compiled.plan.mesh.describe()}, not dp={world}",
                     compiled.plan.mesh.dp == world)
         model.load_state_dict(initial.state_dict())
@@ -304,7 +306,7 @@ def _losses_rank(rank: int, world: int) -> list[str]:
     # forward only on uneven shards: the full batch, in order, on every rank
     model = zoo_model("mlp-tiny")
     (x,), y = zoo_batches("mlp-tiny", n, steps=1)[0]
-    compiled = ah.compile(model, ah.Cluster.local(world), (x[:8],))
+    compiled = ah.compile(model, ah.Cluster.local(world), (x[:8],), constraints=DATA_PARALLEL)
     fails.close("mlp-tiny forward, 10 samples on 4 ranks", compiled((x,)),
                 zoo_model("mlp-tiny")(x).detach())
 
@@ -314,9 +316,11 @@ def _losses_rank(rank: int, world: int) -> list[str]:
     batches = _mlp_class_batches(n, [2, 7])
     (x8,), y8 = head(batches[0], 8)
     c_global = ah.compile(global_model, ah.Cluster.local(world), (x8,), loss_fn=F.cross_entropy,
-                          example_targets=y8, optimizer=OPTIMIZERS["adamw"])
+                          example_targets=y8, optimizer=OPTIMIZERS["adamw"],
+                          constraints=DATA_PARALLEL)
     c_local = ah.compile(local_model, ah.Cluster.local(world), (x8,), loss_fn=F.cross_entropy,
-                         example_targets=y8, optimizer=OPTIMIZERS["adamw"])
+                         example_targets=y8, optimizer=OPTIMIZERS["adamw"],
+                         constraints=DATA_PARALLEL)
     ref = zoo_model("mlp-tiny")
     ref_opt = OPTIMIZERS["adamw"](list(ref.parameters()))
     for step, ((x,), y) in enumerate(batches):
@@ -431,7 +435,8 @@ def _raise_on_rank1(rank: int, world: int, tmp: str) -> None:
     model = zoo_model("mlp-tiny")
     (x,), y = zoo_batches("mlp-tiny", 8, steps=1)[0]
     compiled = ah.compile(model, ah.Cluster.local(world), (x,), loss_fn=F.cross_entropy,
-                          example_targets=y, optimizer=OPTIMIZERS["sgd"])
+                          example_targets=y, optimizer=OPTIMIZERS["sgd"],
+                          constraints=DATA_PARALLEL)  # the hook below is on the model's own
     compiled.train_step((x,), y)
     if rank == 1:  # fails inside the next step's backward; rank 0 waits in a collective
 

@@ -57,12 +57,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = upcast(x)
         normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}"
+
+
+def upcast(x: torch.Tensor) -> torch.Tensor:
+    """`x` in at least float32 (half precision computed in fp32; fp64 left as is)."""
+    return x.float() if x.element_size() < 4 else x
 
 
 def init_transformer_(module: nn.Module, std: float = INIT_STD,

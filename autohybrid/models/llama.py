@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ModelError
-from ._common import RMSNorm, build_on, factory_kwargs, format_config, init_transformer_
+from ._common import (RMSNorm, build_on, factory_kwargs, format_config, init_transformer_,
+                      upcast)
 
 
 def llama_ffn_hidden(hidden: int, multiple_of: int | None = None) -> int:
@@ -49,8 +50,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``(b, heads, t, head_dim)`` by the tables; computed in fp32, cast back."""
-    xf = x.float()
+    """Rotate ``x`` ``(b, heads, t, head_dim)`` by the tables; computed in at least fp32,
+    cast back."""
+    xf = upcast(x)
     return (xf * cos + _rotate_half(xf) * sin).type_as(x)
 
 

@@ -176,3 +176,51 @@ for _op, _partner in ((tp_copy, tp_reduce), (tp_reduce, tp_copy), (tp_gather, tp
                       (tp_split, tp_gather), (sp_reduce_scatter, sp_gather),
                       (sp_gather, sp_reduce_scatter)):
     _pair(_op, _partner)
+
+
+# ------------------------------------------------------------------ replicated shards
+# With fewer key/value heads than tp ranks, each key/value shard lives on tp / ways ranks
+# (replicas), and each replica's backward sees only its own query heads: the weight's
+# gradient is the sum over the replicas.
+
+@torch.library.custom_op("autohybrid::tp_sum_replicas", mutates_args=())
+def tp_sum_replicas(x: torch.Tensor, ways: int, axis: str) -> torch.Tensor:
+    """Σ of `x` over the ranks holding the same one of `ways` shards (consecutive tp ranks)."""
+    group = _group(axis)
+    if group is None:
+        return x.clone(memory_format=torch.contiguous_format)
+    n = dist.get_world_size(group)
+    step = n // ways
+    src = x.reshape(1, -1).contiguous()
+    parts = src.new_empty((n, src.shape[1]))
+    dist.all_gather_into_tensor(parts, src, group=group)
+    first = dist.get_rank(group) // step * step
+    return parts[first:first + step].sum(0).view(x.shape)
+
+
+@tp_sum_replicas.register_fake
+def _(x, ways, axis):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("autohybrid::tp_replicated", mutates_args=())
+def tp_replicated(x: torch.Tensor, ways: int, axis: str) -> torch.Tensor:
+    """Identity on a shard held by tp / `ways` ranks; backward sums the replicas' grads."""
+    _group(axis)
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+@tp_replicated.register_fake
+def _(x, ways, axis):
+    return x.new_empty(x.shape)
+
+
+def _replicated_setup(ctx, inputs, output) -> None:
+    ctx.args = inputs[1:]
+
+
+def _replicated_backward(ctx, grad):
+    return tp_sum_replicas(grad, *ctx.args), None, None
+
+
+tp_replicated.register_autograd(_replicated_backward, setup_context=_replicated_setup)

@@ -231,13 +231,8 @@ def _follow(user: fx.Node, src: fx.Node, dim: int):
     return None
 
 
-def _view_dim(src: torch.Tensor, out: torch.Tensor, dim: int,
-              view: fx.Node | None = None) -> int | None:
-    """The dim of `out` where a shard on `src` dim `dim` lands.
-
-    A view that splits the shard dim into several (hidden → heads × head_dim, or
-    fused qkv → 3 × heads × head_dim) keeps the shard on the outermost of them, except a
-    dim the graph later takes apart (unbind/select/split along it: the fused count)."""
+def view_span(src: torch.Tensor, out: torch.Tensor, dim: int) -> list[int] | None:
+    """The dims of `out` that dim `dim` of `src` becomes under a view (None: merged away)."""
     before = sympy.Mul(*[sym_expr(s) for s in src.shape[:dim]])
     width = sym_expr(src.shape[dim])
     running = sympy.Integer(1)
@@ -248,13 +243,26 @@ def _view_dim(src: torch.Tensor, out: torch.Tensor, dim: int,
                 span.append(j)
                 covered = covered * sym_expr(out.shape[j])
                 if covered == width:
-                    break
-            for j in span[:-1]:
-                if view is None or not _taken_apart(view, j):
-                    return j
-            return span[-1]
+                    return span
+            return span
         running = running * sym_expr(size)
     return None
+
+
+def _view_dim(src: torch.Tensor, out: torch.Tensor, dim: int,
+              view: fx.Node | None = None) -> int | None:
+    """The dim of `out` where a shard on `src` dim `dim` lands.
+
+    A view that splits the shard dim into several (hidden → heads × head_dim, or
+    fused qkv → 3 × heads × head_dim) keeps the shard on the outermost of them, except a
+    dim the graph later takes apart (unbind/select/split along it: the fused count)."""
+    span = view_span(src, out, dim)
+    if span is None:
+        return None
+    for j in span[:-1]:
+        if view is None or not _taken_apart(view, j):
+            return j
+    return span[-1]
 
 
 _TAKE_APART = {"aten.unbind.int", "aten.select.int", "aten.split.Tensor",

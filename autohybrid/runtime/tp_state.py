@@ -1,0 +1,101 @@
+"""This rank's shards of the parameters tensor parallelism splits, and their gathering.
+
+The tensor_parallel pass says how each split parameter is cut (`ShardSpec`, in
+`notes["param_shards"]`). `ShardedParameters` makes this rank's shard of each one a new
+Parameter (the optimizer steps these), puts it in the program's state under the
+parameter's canonical name (tied parameters share the shard), and gathers shards back
+over the tp group into full tensors for `full_state_dict`, `full_grads` and the global
+gradient norm. Parameters the tp axis does not split stay the model's own.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import RuntimeFailure
+from ..passes.tensor_parallel import ShardSpec
+
+
+class ShardedParameters:
+    def __init__(self, model: nn.Module, specs: dict[str, ShardSpec],
+                 group: dist.ProcessGroup | None, tp: int):
+        self.specs, self.group, self.tp = dict(specs), group, tp
+        self.local: dict[str, nn.Parameter] = {}
+        canonical = {id(p): name for name, p in model.named_parameters()}
+        self.alias = {key: canonical[id(p)]
+                      for key, p in model.named_parameters(remove_duplicate=False)}
+        for name, spec in specs.items():
+            full = model.get_parameter(name)
+            self.local[name] = nn.Parameter(spec.local(full.detach()),
+                                            requires_grad=full.requires_grad)
+
+    def check_same(self, specs: dict[str, ShardSpec], what: str) -> None:
+        """Graphs rewritten later (the training graph after a forward one) must cut the
+        parameters the same way as the shards this rank holds."""
+        if specs != self.specs:
+            differ = sorted(set(specs.items()) ^ set(self.specs.items()))
+            raise RuntimeFailure(
+                f"the {what} graph splits parameters differently from the graph the shards "
+                f"were made from (first difference: {differ[0][0]!r}); compile with "
+                "example_targets so that one training graph is used throughout")
+
+    def parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        """The model's parameters with each split one replaced by this rank's shard."""
+        return [self.local.get(name, p) for name, p in model.named_parameters()]
+
+    def into_state(self, state: dict[str, torch.Tensor]) -> None:
+        state.update(self.local)
+
+    # ------------------------------------------------------------------ gathering
+    def full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The whole parameter (or gradient) `name` from every rank's `local` shard."""
+        spec = self.specs[name]
+        local = local.detach().contiguous()
+        if self.group is None or self.tp == 1:
+            return spec.gather([local])
+        parts = [torch.empty_like(local) for _ in range(self.tp)]
+        dist.all_gather(parts, local, group=self.group)
+        step = self.tp // spec.ways  # ranks holding the same shard index (kv replicas)
+        return spec.gather([parts[i * step] for i in range(spec.ways)])
+
+    def full_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        out = {}
+        for key, value in model.state_dict(keep_vars=True).items():
+            name = self._canonical(model, key)
+            out[key] = (self.full(name, self.local[name]) if name in self.local
+                        else value.detach().clone())
+        return out
+
+    def full_grads(self, model: nn.Module) -> dict[str, torch.Tensor | None]:
+        out = {}
+        for key, p in model.named_parameters(remove_duplicate=False):
+            name = self._canonical(model, key)
+            if name in self.local:
+                grad = self.local[name].grad
+                out[key] = None if grad is None else self.full(name, grad)
+            else:
+                out[key] = None if p.grad is None else p.grad.detach().clone()
+        return out
+
+    def squared_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """Σ g² over the whole model's gradients: shards summed over the tp group (kv
+        replicas counted once), the rest once (every tp rank holds the same)."""
+        shards = {id(p): name for name, p in self.local.items()}
+        split = torch.zeros((), dtype=torch.float64)
+        whole = torch.zeros((), dtype=torch.float64)
+        for p in params:
+            if p.grad is None:
+                continue
+            sq = p.grad.detach().double().pow(2).sum()
+            if id(p) in shards:
+                spec = self.specs[shards[id(p)]]
+                split = split + sq * spec.ways / self.tp
+            else:
+                whole = whole + sq
+        if self.group is not None and self.tp > 1:
+            dist.all_reduce(split, group=self.group)
+        return split + whole
+
+    def _canonical(self, model: nn.Module, key: str) -> str:
+        return self.alias.get(key, key)

@@ -1,0 +1,202 @@
+"""Tensor-parallel training through `ah.compile` equals single-process eager training.
+
+Every rank trains the compiled model (plans pinned to tp, with or without dp) and an
+eager float64 copy on the whole batch, and compares losses, gathered gradients and
+gathered parameters after every step (tests/_equiv.py), under AdamW and plain SGD. Then
+the graphs: the collectives of a GPT block are exactly Megatron's, and the logits are
+never gathered for a vocabulary-parallel loss.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+
+import autohybrid as ah
+from _equiv import (OPTIMIZERS, Failures, lm_loss, report, train_and_compare, zoo_batches,
+                    zoo_loss, zoo_model)
+from autohybrid.graph import op_name
+
+LAUNCH_TIMEOUT_S = 150
+
+
+def _launch(fn, world: int, *args):
+    return ah.launch(fn, ah.Cluster.local(world), args=(world, *args),
+                     timeout_s=LAUNCH_TIMEOUT_S)
+
+
+def _assert_no_failures(results) -> None:
+    assert not any(results), report(results)
+
+
+def _pinned(tp: int) -> ah.Constraints:
+    return ah.Constraints(tp=tp, sp=False)
+
+
+# ============================================================================ the zoo
+def _zoo_rank(rank: int, world: int, tp: int) -> list[str]:
+    """mlp, gpt, llama (4 heads, 2 KV heads): 3 AdamW steps, 3 SGD steps with gradient
+    clipping (a fresh compile each), then the gathered forward output."""
+    fails = Failures()
+    for name in ("mlp-tiny", "gpt-tiny", "llama-tiny"):
+        batches = zoo_batches(name, 8)
+        for optimizer, clip in (("adamw", None), ("sgd", 0.5)):
+            case = f"{name}/{optimizer}/dp{world // tp}×tp{tp}"
+            compiled, ref = train_and_compare(
+                fails, case, zoo_model(name), batches, world, loss_fn=zoo_loss(name),
+                optimizer=OPTIMIZERS[optimizer], constraints=_pinned(tp), max_grad_norm=clip)
+            mesh = compiled.plan.mesh
+            fails.check(f"{case}: plan is {mesh.describe()}",
+                        (mesh.tp, mesh.dp) == (tp, world // tp))
+            fails.check(f"{case}: no parameter is split",
+                        bool(compiled.notes["train"]["param_shards"]))
+        (x,), _ = batches[0]
+        fails.close(f"{case} forward", compiled((x,)), ref(x).detach())
+    return fails
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world,tp", [(2, 2), (4, 4), (4, 2)], ids=["tp2", "tp4", "dp2xtp2"])
+def test_zoo_tp_and_dp_x_tp_match_eager(world, tp):
+    """tp 2 and 4 (llama-tiny at tp 4: 2 KV heads, each on 2 ranks) and dp 2 × tp 2."""
+    _assert_no_failures(_launch(_zoo_rank, world, tp))
+
+
+# ============================================================================ vocabulary
+def _vocab_rank(rank: int, world: int) -> list[str]:
+    """Vocabulary 97 over 2 and 4 ranks (padded to 98 / 100), tied and untied head,
+    label smoothing and ignored tokens in the loss."""
+    fails = Failures()
+    batches = [(x, y.masked_fill(y % 5 == 0, -100)) for x, y in zoo_batches("gpt-tiny", 8)]
+
+    def loss(logits, targets):
+        return lm_loss(logits, targets, label_smoothing=0.1)
+
+    for tie in (True, False):
+        torch.manual_seed(1)
+        model = ah.models.gpt(layers=2, hidden=32, heads=4, vocab=97, seq=16,
+                              tie_embeddings=tie).double()
+        case = f"vocab 97 tie={tie} tp{world}"
+        compiled, _ = train_and_compare(fails, case, model, batches, world, loss_fn=loss,
+                                        optimizer=OPTIMIZERS["adamw"], constraints=_pinned(world))
+        spec = compiled.notes["train"]["param_shards"]["tok_emb.weight"]
+        fails.check(f"{case}: vocabulary not padded: {spec}",
+                    spec.padded == -(-97 // world) * world and spec.size == 97)
+    return fails
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [2, 4])
+def test_vocabulary_not_divisible_by_tp_is_padded_and_exact(world):
+    _assert_no_failures(_launch(_vocab_rank, world))
+
+
+# ============================================================================ Hugging Face
+def _hf_gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=96, n_positions=16,
+                        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, use_cache=False,
+                        bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config).double()
+
+
+def _hf_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                         max_position_embeddings=16, use_cache=False, bos_token_id=0,
+                         eos_token_id=0, pad_token_id=None, tie_word_embeddings=False)
+    return LlamaForCausalLM(config).double()
+
+
+def _hf_rank(rank: int, world: int) -> list[str]:
+    fails = Failures()
+    batches = zoo_batches("gpt-tiny", 8)
+    for name, build in (("GPT2LMHeadModel", _hf_gpt2), ("LlamaForCausalLM", _hf_llama)):
+        torch.manual_seed(0)
+        model = build()
+        logits_loss = lambda out, t: lm_loss(out["logits"], t)
+        compiled, _ = train_and_compare(
+            fails, f"HF {name} tp{world}", model, batches, world, loss_fn=logits_loss,
+            optimizer=OPTIMIZERS["sgd"], constraints=_pinned(world),
+            eager_loss=lambda m, i, t: lm_loss(m(input_ids=i[0]).logits, t))
+        fails.check(f"HF {name}: nothing split", bool(compiled.notes["train"]["param_shards"]))
+    torch.manual_seed(0)
+    # labels=: the model's own loss (shifted; logits cast to float32, so the model is
+    # compared in float32), captured at the first step
+    hf = _hf_gpt2().float()
+    train_and_compare(fails, f"HF GPT2 labels= tp{world}", hf, batches, world, loss_fn=None,
+                      optimizer=OPTIMIZERS["sgd"], example_targets=False,
+                      constraints=_pinned(world),
+                      eager_loss=lambda m, i, t: m(input_ids=i[0], labels=t).loss)
+    return fails
+
+
+@pytest.mark.timeout(240)
+def test_hugging_face_gpt2_and_llama_at_tp2_match_eager():
+    _assert_no_failures(_launch(_hf_rank, 2))
+
+
+# ============================================================================ graphs
+def _graph_rank(rank: int, world: int) -> dict:
+    model = zoo_model("gpt-tiny")
+    batches = zoo_batches("gpt-tiny", 8, steps=1)
+    (x,), y = batches[0]
+    compiled = ah.compile(model, ah.Cluster.local(world), (x,), loss_fn=lm_loss,
+                          example_targets=y, constraints=_pinned(world))
+    compiled((x,))
+    out = {}
+    for kind, gm in compiled.graphs.items():
+        out[kind] = [op_name(n) for n in gm.graph.nodes
+                     if op_name(n).startswith("autohybrid.")]
+    out["blocks"] = model.config["layers"] if hasattr(model, "config") else None
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_gpt_collectives_are_megatrons_and_logits_are_never_gathered():
+    """Per block: one f (tp_copy) and one g (tp_reduce) for attention and for the MLP;
+    the vocabulary-parallel embedding's g; the head's f; the vocabulary-parallel loss —
+    and no all-gather in the training graph. The forward graph gathers the logits once."""
+    results = _launch(_graph_rank, 2)
+    for r in results:
+        train, forward = r["train"], r["forward_train"]
+        blocks = r["blocks"]
+        f = "autohybrid.tp_copy.default"
+        g = "autohybrid.tp_reduce.default"
+        assert train.count(f) == 2 * blocks + 1, train
+        assert train.count(g) == 2 * blocks + 1, train  # + the embedding's
+        assert train.count("autohybrid.vocab_parallel_embedding.default") == 1
+        assert train.count("autohybrid.vocab_parallel_cross_entropy.default") == 1
+        assert "autohybrid.tp_gather.default" not in train
+        assert forward.count("autohybrid.tp_gather.default") == 1  # the logits, for the user
+        assert "autohybrid.vocab_parallel_cross_entropy.default" not in forward
+
+
+# ============================================================================ planner
+def _choose_rank(rank: int, world: int) -> dict:
+    model = zoo_model("gpt-tiny")
+    (x,), y = zoo_batches("gpt-tiny", 8, steps=1)[0]
+    compiled = ah.compile(model, ah.Cluster.local(world), (x,), loss_fn=lm_loss,
+                          example_targets=y)
+    plan = compiled.plan
+    return {"mesh": (plan.mesh.dp, plan.mesh.tp, plan.mesh.pp), "executable": plan.executable,
+            "alternatives": [(a.summary, a.executable) for a in plan.alternatives]}
+
+
+@pytest.mark.timeout(120)
+def test_compile_chooses_among_dp_and_tp_plans_on_four_local_ranks():
+    """ah.compile(plan=None) searches the executable plans, tp ones included: the chosen
+    plan and its runners-up cover dp × tp shapes, all executable."""
+    results = _launch(_choose_rank, 4)
+    r = results[0]
+    assert r["executable"] and r["mesh"][2] == 1
+    shape = re.compile(r"pp(\d+)×dp(\d+)×tp(\d+)")
+    shapes = {r["mesh"]}
+    for summary, _ in r["alternatives"]:
+        pp, dp, tp = map(int, shape.match(summary).groups())
+        shapes.add((dp, tp, pp))
+    assert {(4, 1, 1), (2, 2, 1), (1, 4, 1)} <= shapes, r
+    assert all(executable for _, executable in r["alternatives"]), r
