@@ -8,15 +8,17 @@ never gathered for a vocabulary-parallel loss.
 """
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import autohybrid as ah
-from _equiv import (OPTIMIZERS, Failures, lm_loss, report, train_and_compare, zoo_batches,
-                    zoo_loss, zoo_model)
+from _equiv import (OPTIMIZERS, Failures, default_eager_loss, eager_step, grads_of, lm_loss,
+                    report, state_of, train_and_compare, zoo_batches, zoo_loss, zoo_model)
 from autohybrid.graph import op_name
 
 LAUNCH_TIMEOUT_S = 150
@@ -200,3 +202,63 @@ def test_compile_chooses_among_dp_and_tp_plans_on_four_local_ranks():
         shapes.add((dp, tp, pp))
     assert {(4, 1, 1), (2, 2, 1), (1, 4, 1)} <= shapes, r
     assert all(executable for _, executable in r["alternatives"]), r
+
+
+# ============================================================================ dropout
+class _InnerDropoutMLP(nn.Module):
+    """Dropout between a column- and a row-parallel linear: on the split hidden dim."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.proj = nn.Linear(16, 64), nn.Linear(64, 10)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        return self.proj(self.drop(F.gelu(self.fc(x))))
+
+
+def _dropout_rank(rank: int, world: int) -> list[str]:
+    """Same seed on every rank and in eager before each step: the tp run drops exactly the
+    elements eager drops — on the split hidden dim of an MLP (sharded_dropout), in the
+    attention weights split by heads (sharded_sdpa) and on replicated activations."""
+    fails = Failures()
+    torch.manual_seed(0)
+    gpt = ah.models.gpt(layers=2, hidden=32, heads=4, vocab=96, seq=16, dropout=0.1).double()
+    torch.manual_seed(0)
+    mlp = _InnerDropoutMLP().double()
+    gpt_batches = zoo_batches("gpt-tiny", 8)
+    mlp_batches = [((torch.randn(8, 16, dtype=torch.float64),), torch.randint(0, 10, (8,)))
+                   for _ in range(3)]
+    for name, model, batches, loss, op in (
+            ("gpt dropout 0.1", gpt, gpt_batches, lm_loss, "autohybrid.sharded_sdpa.default"),
+            ("mlp inner dropout 0.3", mlp, mlp_batches, F.cross_entropy,
+             "autohybrid.sharded_dropout.default")):
+        ref = copy.deepcopy(model)
+        inputs, targets = batches[0]
+        compiled = ah.compile(model, ah.Cluster.local(world), inputs, loss_fn=loss,
+                              example_targets=targets, constraints=_pinned(world),
+                              optimizer=OPTIMIZERS["sgd"])
+        ref_opt = OPTIMIZERS["sgd"](list(ref.parameters()))
+        ops = [op_name(n) for n in compiled.graphs["train"].graph.nodes]
+        fails.check(f"{name}: no {op} in the tp graph", op in ops)
+        for step, (inputs, targets) in enumerate(batches):
+            torch.manual_seed(100 + step)
+            loss_value = compiled.train_step(inputs, targets)
+            torch.manual_seed(100 + step)
+            expected = eager_step(ref, ref_opt, default_eager_loss(loss), inputs, targets)
+            where = f"{name} tp{world} step {step}"
+            fails.close(f"{where} loss", loss_value, expected)
+            fails.close_dict(f"{where} grads", compiled.full_grads(), grads_of(ref))
+            fails.close_dict(f"{where} state", compiled.full_state_dict(), state_of(ref))
+        torch.manual_seed(7)
+        without = eager_step(copy.deepcopy(ref), None, default_eager_loss(loss), *batches[0])
+        ref.eval()
+        fails.check(f"{name}: dropout changes nothing (vacuous test)",
+                    not torch.allclose(without, default_eager_loss(loss)(ref, *batches[0])))
+    return fails
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [2, 4])
+def test_dropout_under_tp_draws_eagers_masks(world):
+    _assert_no_failures(_launch(_dropout_rank, world))

@@ -14,6 +14,10 @@ planner and the pass agree by construction. On rank r of the tp group:
 - views, reshapes, expands and splits of split values get their local sizes;
 - the vocabulary-parallel embedding and cross-entropy (ops/vocab_parallel.py) replace
   embedding and the class loss, so the logits are never gathered for the loss;
+- dropout of a split value, and attention with dropout, draw the mask eager draws for
+  the whole tensor and keep this rank's slice (ops/dropout.py): with the same seed on
+  every rank a tp run drops exactly the elements eager drops (data-parallel ranks draw
+  for their own samples, so with dp > 1 the masks are per data shard);
 - where a split value meets an op that needs it whole, `tp_gather` joins it (trimming
   vocabulary padding); a replicated operand combined with a split one is sliced
   (`tp_split`); split graph outputs are gathered.
@@ -33,8 +37,9 @@ import torch.fx as fx
 from ..errors import PlanError
 from ..graph import AH_PASS, AH_ROLE, VAL, op_name, output_node, source_line
 from ..ops import tensor_parallel as tp_ops  # noqa: F401  (registers autohybrid::tp_*)
-from ..ops import vocab_parallel  # noqa: F401  (registers autohybrid::vocab_parallel_*)
-from ..search.sharding import (R, TensorParallelLayout, _CLASS_LOSSES, _SPLITS, _VIEWS,
+from ..ops import dropout, vocab_parallel  # noqa: F401  (registers the ops they define)
+from ..search.sharding import (R, TensorParallelLayout, _CLASS_LOSSES, _ELEMENTWISE_PREFIXES,
+                               _SPLITS, _VIEWS,
                                _follow, _taken_apart, linear_parts, megatron_layout,
                                param_key, shard_dim, view_span)
 from .manager import PassContext
@@ -42,6 +47,8 @@ from .manager import PassContext
 aten = torch.ops.aten
 ah_ops = torch.ops.autohybrid
 AXIS = "tp"
+#: Ops besides the element-wise ones whose operands line up dim by dim with the output.
+_COMBINING = {"aten.cat.default", "aten.where.self", "aten.scaled_dot_product_attention.default"}
 
 
 # ------------------------------------------------------------------ parameter shards
@@ -267,6 +274,14 @@ class _Rewriter:
         if name in _CLASS_LOSSES and self.sharded(node.args[0]) is not None:
             self._class_loss(node)
             return
+        if name == "aten.dropout.default" and self.sharded(node.args[0]) is not None \
+                and node.args[0] not in self.padded:
+            self._dropout(node)
+            return
+        if name == "aten.scaled_dot_product_attention.default" and _sdpa_dropout(node) > 0:
+            self._split_replicated_operands(node, self.sharded(node))
+            self._attention_dropout(node)
+            return
         out_dim = self.sharded(node)
         if out_dim is None:
             self._gather_inputs(node)
@@ -360,9 +375,59 @@ class _Rewriter:
         node.replace_all_uses_with(loss)
         self.graph.erase_node(node)
 
+    def _full_shape(self, x: fx.Node, before: fx.Node) -> list:
+        """The full shape of split value `x` as graph arguments (sizes of symbolic dims
+        read from `x`, which tp never splits; static ones from the capture)."""
+        shape = []
+        for i, size in enumerate(self.full[x.name].shape):
+            if isinstance(size, torch.SymInt):
+                with self.graph.inserting_before(before):
+                    shape.append(self.call(aten.sym_size.int, (x, i), like=before))
+            else:
+                shape.append(int(size))
+        return shape
+
+    def _dropout(self, node: fx.Node) -> None:
+        """Dropout of a split value: eager's full-tensor mask, this rank's slice of it."""
+        x, p = node.args[0], node.args[1]
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        dim = self.sharded(x)
+        ways = self._numel_ratio(x)
+        index = self.rank // (self.tp // ways)
+        full = self._full_shape(x, node)
+        with self.graph.inserting_before(node):
+            both = self.call(ah_ops.sharded_dropout.default,
+                             (x, p, train, full, dim, index, ways), like=node)
+            out = self.call(operator.getitem, (both, 0), like=node)
+        self.place[out.name] = self.place[node.name]
+        node.replace_all_uses_with(out)
+        self.graph.erase_node(node)
+
+    def _attention_dropout(self, node: fx.Node) -> None:
+        """Attention with dropout on this rank's heads, eager's full mask sliced on heads."""
+        from .global_loss import _kwargs
+        kw = _kwargs(node)
+        if kw.get("enable_gqa"):
+            raise PlanError(f"tensor parallelism: attention {node.name!r} "
+                            f"(`{source_line(node)}`) uses enable_gqa with dropout; repeat the "
+                            "key/value heads before attention or set dropout_p=0")
+        heads = int(self.full[node.name].shape[1])
+        ways = self._numel_ratio(node.args[0])
+        index = self.rank // (self.tp // ways)
+        with self.graph.inserting_before(node):
+            both = self.call(ah_ops.sharded_sdpa.default,
+                             (kw["query"], kw["key"], kw["value"], kw.get("attn_mask"),
+                              kw["dropout_p"], kw.get("is_causal", False), kw.get("scale"),
+                              heads, index, ways), like=node)
+            out = self.call(operator.getitem, (both, 0), like=node)
+        self.place[out.name] = self.place[node.name]
+        node.replace_all_uses_with(out)
+        self.graph.erase_node(node)
+
     def _split_replicated_operands(self, node: fx.Node, out_dim: int) -> None:
         """Slice replicated operands that span the split dim (broadcast ones need not)."""
-        if node.target is operator.getitem or op_name(node) in _VIEWS | _SPLITS:
+        name = op_name(node)
+        if not (name.startswith(_ELEMENTWISE_PREFIXES) or name in _COMBINING):
             return
         out = node.meta[VAL]
         if not isinstance(out, torch.Tensor):
@@ -438,6 +503,13 @@ class _Rewriter:
             if a in self.padded and self.sharded(node) is not None:
                 self.padded[node] = (self.sharded(node), self.padded[a][1])
                 return
+
+
+def _sdpa_dropout(node: fx.Node) -> float:
+    """The dropout probability of an attention node (0 when absent)."""
+    if len(node.args) > 4:
+        return float(node.args[4])
+    return float(node.kwargs.get("dropout_p", 0.0))
 
 
 def _blocks(node: fx.Node, dim: int, budget: int = 16) -> int:

@@ -1,0 +1,225 @@
+"""autohybrid's tensor-parallel step time against DTensor's `parallelize_module`.
+
+    python benchmarks/runtime_overhead.py [--steps 10] [--warmup 2] [--world 2]
+
+In one `ah.launch` on `ah.Cluster.local(world)` (gloo, fp32, one thread per rank), for
+each GPT size, three copies of the same model (same seed) train on the same global
+batches with the same SGD optimizer:
+
+- autohybrid: `ah.compile(..., constraints=ah.Constraints(tp=world, sp=False))`, then
+  `compiled.train_step(tokens, targets)`;
+- DTensor: `parallelize_module` on a 1-D device mesh of the same ranks with Megatron's
+  layout, as close to autohybrid's as DTensor expresses it (see `parallelize_dtensor`):
+  ColwiseParallel for `attn.qkv` and `mlp.fc`, RowwiseParallel for `attn.proj` and
+  `mlp.proj`, a vocabulary-parallel tied embedding (RowwiseParallel with replicated
+  input ids) and LM head (ColwiseParallel with Shard(-1) logits) with `loss_parallel()`;
+- eager: the whole model in one process (rank 0 while the others wait), for context.
+
+autohybrid and DTensor steps alternate (after a warm-up, autohybrid's first step captures
+its training graph), so drift in the machine's speed hits both alike. A step's time is
+the slowest rank's; the table gives medians, the ratio autohybrid / DTensor (goal ≤ 1.0,
+first bar ≤ 1.10) and the largest loss difference between the two over all steps (equal
+work: the layouts are equivalent, so the losses agree to fp32 rounding).
+A benchmark, not a CI gate.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import autohybrid as ah
+
+#: name, gpt kwargs, global batch
+CONFIGS = [
+    ("gpt h128 l4 s64 b16", dict(layers=4, hidden=128, heads=4, vocab=1024, seq=64), 16),
+    ("gpt h256 l4 s128 b8", dict(layers=4, hidden=256, heads=8, vocab=2048, seq=128), 8),
+]
+LR = 0.05
+
+
+def loss_fn(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=LR)
+
+
+def batches(config: dict, batch: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, config["vocab"], (batch, config["seq"] + 1), generator=g)
+        out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    return out
+
+
+def build(config: dict) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return ah.models.gpt(**config)
+
+
+# ------------------------------------------------------------------ DTensor side
+def _qkv_rows_by_rank(hidden: int, tp: int) -> torch.Tensor:
+    """Row order of a fused qkv weight whose contiguous Shard(0) chunk r holds q, k, v of
+    rank r's heads — autohybrid's ShardSpec(chunks=3) layout. ColwiseParallel shards the
+    fused rows contiguously, which would give rank 0 all of q and half of k."""
+    part = hidden // tp
+    order = [c * hidden + r * part + i for r in range(tp) for c in range(3) for i in range(part)]
+    return torch.tensor(order)
+
+
+def parallelize_dtensor(model: torch.nn.Module, mesh) -> None:
+    """Megatron tp with DTensor; the math equals the unsplit model's.
+
+    - attn.qkv, mlp.fc: ColwiseParallel (weight and bias Shard(0), input Replicate, local
+      output). The fused qkv rows are first permuted so that rank r's contiguous shard is
+      [q_r, k_r, v_r] (a re-parametrization: same function, and SGD commutes with it);
+      each attention then sees its local heads (heads //= tp, hidden //= tp, as
+      torchtitan does), so the model's view (b, t, 3, heads, head_dim) stays unchanged.
+    - attn.proj, mlp.proj: RowwiseParallel (weight Shard(1), bias Replicate, all-reduce
+      of the partial output, local output).
+    - tok_emb: RowwiseParallel(input_layouts=Replicate()) — weight Shard(0) over the
+      vocabulary (masked lookup, all-reduce): the vocabulary-parallel embedding.
+    - lm_head: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False) — weight
+      Shard(0) over the vocabulary, logits split over the vocabulary for
+      `loss_parallel()`'s cross-entropy (never gathered). The head is tied to tok_emb:
+      parallelize_module gives each module a new DTensor parameter, so the tie is
+      restored afterwards (both are Shard(0) on the same mesh, the same local shard).
+    - pos_emb, LayerNorms: replicated plain tensors (as autohybrid keeps them).
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    tp = mesh.size()
+    with torch.no_grad():
+        for block in model.blocks:
+            attn = block.attn
+            order = _qkv_rows_by_rank(attn.hidden, tp)
+            attn.qkv.weight.copy_(attn.qkv.weight[order])
+            attn.qkv.bias.copy_(attn.qkv.bias[order])
+    plan = {"tok_emb": RowwiseParallel(input_layouts=Replicate()),
+            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
+    for i, block in enumerate(model.blocks):
+        plan.update({f"blocks.{i}.attn.qkv": ColwiseParallel(),
+                     f"blocks.{i}.attn.proj": RowwiseParallel(),
+                     f"blocks.{i}.mlp.fc": ColwiseParallel(),
+                     f"blocks.{i}.mlp.proj": RowwiseParallel()})
+        block.attn.heads //= tp
+        block.attn.hidden //= tp
+    parallelize_module(model, mesh, plan)
+    model.lm_head.weight = model.tok_emb.weight  # re-tie
+
+
+def dtensor_step(model, optimizer, tokens, targets) -> torch.Tensor:
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    optimizer.zero_grad(set_to_none=True)
+    logits = model(tokens)
+    with loss_parallel():
+        loss = loss_fn(logits, targets)
+        loss.backward()
+    optimizer.step()
+    return loss.to_local().detach()
+
+
+def eager_step(model, optimizer, tokens, targets) -> torch.Tensor:
+    optimizer.zero_grad(set_to_none=True)
+    loss = loss_fn(model(tokens), targets)
+    loss.backward()
+    optimizer.step()
+    return loss.detach()
+
+
+# ------------------------------------------------------------------ one rank
+def _timed(fn, *args) -> tuple[float, torch.Tensor]:
+    start = time.perf_counter()
+    loss = fn(*args)
+    return time.perf_counter() - start, loss
+
+
+def run_rank(rank: int, world: int, config: dict, batch: int, steps: int, warmup: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    data = batches(config, batch, warmup + steps)
+    tokens0, targets0 = data[0]
+
+    compiled = ah.compile(build(config), ah.Cluster.local(world), (tokens0,), loss_fn=loss_fn,
+                          example_targets=targets0, optimizer=sgd,
+                          constraints=ah.Constraints(tp=world, sp=False))
+    dt_model = build(config)
+    parallelize_dtensor(dt_model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
+    dt_opt = sgd(dt_model.parameters())
+
+    ah_times, dt_times, ah_losses, dt_losses = [], [], [], []
+    for tokens, targets in data:  # warm-up first (autohybrid captures its train graph)
+        t, loss = _timed(compiled.train_step, tokens, targets)
+        ah_times.append(t)
+        ah_losses.append(float(loss))
+        t, loss = _timed(dtensor_step, dt_model, dt_opt, tokens, targets)
+        dt_times.append(t)
+        dt_losses.append(float(loss))
+
+    eager_times, eager_losses = [], []
+    if rank == 0:
+        model = build(config)
+        opt = sgd(model.parameters())
+        for tokens, targets in data:
+            t, loss = _timed(eager_step, model, opt, tokens, targets)
+            eager_times.append(t)
+            eager_losses.append(float(loss))
+    dist.barrier()
+    shards = sorted(compiled.notes["train"]["param_shards"])
+    return {"ah": ah_times[warmup:], "dt": dt_times[warmup:], "eager": eager_times[warmup:],
+            "ah_loss": ah_losses, "dt_loss": dt_losses, "eager_loss": eager_losses,
+            "ah_split": shards, "mesh": compiled.plan.mesh.describe()}
+
+
+def _slowest_rank_median(results: list[dict], key: str) -> float:
+    per_step = [max(r[key][i] for r in results) for i in range(len(results[0][key]))]
+    return statistics.median(per_step)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--world", type=int, default=2, help="tp degree = ranks (2 or 4)")
+    args = parser.parse_args()
+
+    rows = []
+    for name, config, batch in CONFIGS:
+        results = ah.launch(run_rank, ah.Cluster.local(args.world),
+                            args=(args.world, config, batch, args.steps, args.warmup))
+        r0 = results[0]
+        ah_ms = _slowest_rank_median(results, "ah") * 1e3
+        dt_ms = _slowest_rank_median(results, "dt") * 1e3
+        eager_ms = statistics.median(r0["eager"]) * 1e3
+        diff = max(abs(a - d) for a, d in zip(r0["ah_loss"], r0["dt_loss"]))
+        rows.append((name, ah_ms, dt_ms, eager_ms, r0, diff))
+        print(f"{name}: autohybrid plan {r0['mesh']}, split {len(r0['ah_split'])} parameters "
+              f"({', '.join(p for p in r0['ah_split'] if not p.startswith('blocks.') or p.startswith('blocks.0.'))}, ...)")
+        print(f"  step-0 loss: autohybrid {r0['ah_loss'][0]:.7f}  DTensor "
+              f"{r0['dt_loss'][0]:.7f}  eager {r0['eager_loss'][0]:.7f}; "
+              f"last: {r0['ah_loss'][-1]:.7f} / {r0['dt_loss'][-1]:.7f} / "
+              f"{r0['eager_loss'][-1]:.7f}; max |autohybrid − DTensor| over "
+              f"{len(r0['ah_loss'])} steps {diff:.1e}", flush=True)
+
+    print(f"\nmedian of {args.steps} steps after {args.warmup} warm-up, slowest rank per step; "
+          f"eager: one process, one thread")
+    print(f"{'model':>22} {'ranks':>5} {'autohybrid ms':>14} {'DTensor ms':>11} "
+          f"{'ratio':>6} {'eager 1-proc ms':>16} {'loss diff':>10}")
+    for name, ah_ms, dt_ms, eager_ms, _, diff in rows:
+        print(f"{name:>22} {args.world:>5} {ah_ms:>14.1f} {dt_ms:>11.1f} {ah_ms / dt_ms:>6.2f} "
+              f"{eager_ms:>16.1f} {diff:>10.1e}")
+
+
+if __name__ == "__main__":
+    main()
