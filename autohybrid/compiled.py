@@ -4,9 +4,10 @@ It sits beside api.py (it orchestrates capture → plan → passes → runtime f
 the runtime/ modules it drives know nothing about it.
 
 Built on every rank from the same model, cluster and options. It owns the captured
-graphs, the rewritten per-rank graphs, the mesh and the executor; the model's own
-parameters are this rank's parameters (data parallelism keeps them whole), so the user's
-model trains in place, as with DDP.
+graphs, the rewritten per-rank graphs, the mesh and the executor. Parameters the tp axis
+does not split are the model's own, trained in place as with DDP; those it splits are
+replaced by this rank's shards (runtime/tp_state.py), which the optimizer steps and
+`full_state_dict` / `full_grads` gather back.
 """
 from __future__ import annotations
 

@@ -328,10 +328,11 @@ def test_debug_dumps_plan_and_one_graph_per_pass(monkeypatch, tmp_path) -> None:
     assert Plan.from_json(dump / "plan.json") == plan
     names = sorted(p.name for p in dump.glob("*.py"))
     assert names == ["00_train_capture.py", "01_train_global_loss.py",
-                     "02_train_sync_batch_norm.py", "03_train_tensor_parallel.py"]
+                     "02_train_sync_batch_norm.py", "03_train_tensor_parallel.py",
+                     "04_train_sequence_parallel.py"]
     assert "sync_batch_norm" in (dump / "02_train_sync_batch_norm.py").read_text()
     assert "sync_batch_norm" not in (dump / "01_train_global_loss.py").read_text()
-    last = (dump / "03_train_tensor_parallel.py").read_text()  # tp=1: nothing to split
+    last = (dump / "04_train_sequence_parallel.py").read_text()  # tp=1: nothing to split
     assert last == (dump / "02_train_sync_batch_norm.py").read_text()
     assert gm.print_readable(print_output=False) == last
 
@@ -340,7 +341,8 @@ def test_debug_dumps_plan_and_one_graph_per_pass(monkeypatch, tmp_path) -> None:
     ctx = PassContext(plan=plan, rank=0, coords=(0, 0, 0), graph_kind="forward")
     run_passes(forward.gm, ctx, passes_for("forward"))
     assert sorted(p.name for p in (tmp_path / "rank0").glob("*.py")) == [
-        "00_forward_capture.py", "02_forward_tensor_parallel.py"]  # 01: disabled
+        "00_forward_capture.py", "02_forward_tensor_parallel.py",
+        "03_forward_sequence_parallel.py"]  # 01: disabled
 
 
 @pytest.mark.timeout(60)

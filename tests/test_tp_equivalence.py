@@ -33,25 +33,26 @@ def _assert_no_failures(results) -> None:
     assert not any(results), report(results)
 
 
-def _pinned(tp: int) -> ah.Constraints:
-    return ah.Constraints(tp=tp, sp=False)
+def _pinned(tp: int, sp: bool = False) -> ah.Constraints:
+    return ah.Constraints(tp=tp, sp=sp)
 
 
 # ============================================================================ the zoo
-def _zoo_rank(rank: int, world: int, tp: int) -> list[str]:
+def _zoo_rank(rank: int, world: int, tp: int, sp: bool) -> list[str]:
     """mlp, gpt, llama (4 heads, 2 KV heads): 3 AdamW steps, 3 SGD steps with gradient
     clipping (a fresh compile each), then the gathered forward output."""
     fails = Failures()
     for name in ("mlp-tiny", "gpt-tiny", "llama-tiny"):
         batches = zoo_batches(name, 8)
         for optimizer, clip in (("adamw", None), ("sgd", 0.5)):
-            case = f"{name}/{optimizer}/dp{world // tp}×tp{tp}"
+            case = f"{name}/{optimizer}/dp{world // tp}×tp{tp}{'+sp' if sp else ''}"
             compiled, ref = train_and_compare(
                 fails, case, zoo_model(name), batches, world, loss_fn=zoo_loss(name),
-                optimizer=OPTIMIZERS[optimizer], constraints=_pinned(tp), max_grad_norm=clip)
+                optimizer=OPTIMIZERS[optimizer], constraints=_pinned(tp, sp),
+                max_grad_norm=clip)
             mesh = compiled.plan.mesh
             fails.check(f"{case}: plan is {mesh.describe()}",
-                        (mesh.tp, mesh.dp) == (tp, world // tp))
+                        (mesh.tp, mesh.dp, mesh.sp) == (tp, world // tp, sp))
             fails.check(f"{case}: no parameter is split",
                         bool(compiled.notes["train"]["param_shards"]))
         (x,), _ = batches[0]
@@ -60,10 +61,13 @@ def _zoo_rank(rank: int, world: int, tp: int) -> list[str]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world,tp", [(2, 2), (4, 4), (4, 2)], ids=["tp2", "tp4", "dp2xtp2"])
-def test_zoo_tp_and_dp_x_tp_match_eager(world, tp):
-    """tp 2 and 4 (llama-tiny at tp 4: 2 KV heads, each on 2 ranks) and dp 2 × tp 2."""
-    _assert_no_failures(_launch(_zoo_rank, world, tp))
+@pytest.mark.parametrize("world,tp,sp", [(2, 2, False), (2, 2, True), (4, 4, True),
+                                         (4, 2, False), (4, 2, True)],
+                         ids=["tp2", "tp2+sp", "tp4+sp", "dp2xtp2", "dp2xtp2+sp"])
+def test_zoo_tp_and_dp_x_tp_match_eager(world, tp, sp):
+    """tp 2 and 4 (llama-tiny at tp 4: 2 KV heads, each on 2 ranks) and dp 2 × tp 2, with
+    sequence parallelism on and off."""
+    _assert_no_failures(_launch(_zoo_rank, world, tp, sp))
 
 
 # ============================================================================ vocabulary
@@ -113,7 +117,7 @@ def _hf_llama() -> nn.Module:
     return LlamaForCausalLM(config).double()
 
 
-def _hf_rank(rank: int, world: int) -> list[str]:
+def _hf_rank(rank: int, world: int, sp: bool) -> list[str]:
     fails = Failures()
     batches = zoo_batches("gpt-tiny", 8)
     for name, build in (("GPT2LMHeadModel", _hf_gpt2), ("LlamaForCausalLM", _hf_llama)):
@@ -121,8 +125,8 @@ def _hf_rank(rank: int, world: int) -> list[str]:
         model = build()
         logits_loss = lambda out, t: lm_loss(out["logits"], t)
         compiled, _ = train_and_compare(
-            fails, f"HF {name} tp{world}", model, batches, world, loss_fn=logits_loss,
-            optimizer=OPTIMIZERS["sgd"], constraints=_pinned(world),
+            fails, f"HF {name} tp{world} sp={sp}", model, batches, world,
+            loss_fn=logits_loss, optimizer=OPTIMIZERS["sgd"], constraints=_pinned(world, sp),
             eager_loss=lambda m, i, t: lm_loss(m(input_ids=i[0]).logits, t))
         fails.check(f"HF {name}: nothing split", bool(compiled.notes["train"]["param_shards"]))
     torch.manual_seed(0)
@@ -131,14 +135,15 @@ def _hf_rank(rank: int, world: int) -> list[str]:
     hf = _hf_gpt2().float()
     train_and_compare(fails, f"HF GPT2 labels= tp{world}", hf, batches, world, loss_fn=None,
                       optimizer=OPTIMIZERS["sgd"], example_targets=False,
-                      constraints=_pinned(world),
+                      constraints=_pinned(world, sp),
                       eager_loss=lambda m, i, t: m(input_ids=i[0], labels=t).loss)
     return fails
 
 
 @pytest.mark.timeout(240)
-def test_hugging_face_gpt2_and_llama_at_tp2_match_eager():
-    _assert_no_failures(_launch(_hf_rank, 2))
+@pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2+sp"])
+def test_hugging_face_gpt2_and_llama_at_tp2_match_eager(sp):
+    _assert_no_failures(_launch(_hf_rank, 2, sp))
 
 
 # ============================================================================ graphs
@@ -146,14 +151,15 @@ def _graph_rank(rank: int, world: int) -> dict:
     model = zoo_model("gpt-tiny")
     batches = zoo_batches("gpt-tiny", 8, steps=1)
     (x,), y = batches[0]
-    compiled = ah.compile(model, ah.Cluster.local(world), (x,), loss_fn=lm_loss,
-                          example_targets=y, constraints=_pinned(world))
-    compiled((x,))
-    out = {}
-    for kind, gm in compiled.graphs.items():
-        out[kind] = [op_name(n) for n in gm.graph.nodes
-                     if op_name(n).startswith("autohybrid.")]
-    out["blocks"] = model.config["layers"] if hasattr(model, "config") else None
+    out = {"blocks": model.config["layers"]}
+    for sp in (False, True):
+        compiled = ah.compile(model, ah.Cluster.local(world), (x,), loss_fn=lm_loss,
+                              example_targets=y, constraints=_pinned(world, sp))
+        compiled((x,))
+        out["explain", sp] = compiled.explain()
+        for kind, gm in compiled.graphs.items():
+            out[kind, sp] = [op_name(n) for n in gm.graph.nodes
+                             if op_name(n).startswith("autohybrid.")]
     return out
 
 
@@ -161,13 +167,16 @@ def _graph_rank(rank: int, world: int) -> dict:
 def test_gpt_collectives_are_megatrons_and_logits_are_never_gathered():
     """Per block: one f (tp_copy) and one g (tp_reduce) for attention and for the MLP;
     the vocabulary-parallel embedding's g; the head's f; the vocabulary-parallel loss —
-    and no all-gather in the training graph. The forward graph gathers the logits once."""
+    and no all-gather in the training graph. The forward graph gathers the logits once.
+    With sequence parallelism every g is a reduce-scatter and every f an all-gather along
+    the sequence; tp_copy then only sums the gradients of the parameters the sequence
+    slices read (per block 2 LayerNorms' weight and bias and 2 row biases; the final
+    LayerNorm's weight and bias)."""
     results = _launch(_graph_rank, 2)
     for r in results:
-        train, forward = r["train"], r["forward_train"]
         blocks = r["blocks"]
-        f = "autohybrid.tp_copy.default"
-        g = "autohybrid.tp_reduce.default"
+        f, g = "autohybrid.tp_copy.default", "autohybrid.tp_reduce.default"
+        train, forward = r["train", False], r["forward_train", False]
         assert train.count(f) == 2 * blocks + 1, train
         assert train.count(g) == 2 * blocks + 1, train  # + the embedding's
         assert train.count("autohybrid.vocab_parallel_embedding.default") == 1
@@ -175,6 +184,16 @@ def test_gpt_collectives_are_megatrons_and_logits_are_never_gathered():
         assert "autohybrid.tp_gather.default" not in train
         assert forward.count("autohybrid.tp_gather.default") == 1  # the logits, for the user
         assert "autohybrid.vocab_parallel_cross_entropy.default" not in forward
+        train = r["train", True]
+        assert g not in train and train.count(f) == 6 * blocks + 2, train
+        assert train.count("autohybrid.sp_reduce_scatter.default") == 2 * blocks + 1, train
+        assert train.count("autohybrid.sp_gather.default") == 2 * blocks + 1, train
+        assert "autohybrid.tp_gather.default" not in train
+        assert train.count("autohybrid.tp_split.default") == 1  # the position embeddings
+        text = r["explain", True]
+        assert "parameters split over tp = 2 with sequence parallelism" in text, text
+        fused = text.split("fused projections split block by block: ")[1]
+        assert "'blocks.0.attn.qkv.weight'" in fused and "mlp" not in fused.split("]")[0]
 
 
 # ============================================================================ planner
@@ -217,10 +236,11 @@ class _InnerDropoutMLP(nn.Module):
         return self.proj(self.drop(F.gelu(self.fc(x))))
 
 
-def _dropout_rank(rank: int, world: int) -> list[str]:
+def _dropout_rank(rank: int, world: int, sp: bool) -> list[str]:
     """Same seed on every rank and in eager before each step: the tp run drops exactly the
     elements eager drops — on the split hidden dim of an MLP (sharded_dropout), in the
-    attention weights split by heads (sharded_sdpa) and on replicated activations."""
+    attention weights split by heads (sharded_sdpa), on replicated activations, and with
+    sequence parallelism on the sequence slices (sharded_dropout along the sequence)."""
     fails = Failures()
     torch.manual_seed(0)
     gpt = ah.models.gpt(layers=2, hidden=32, heads=4, vocab=96, seq=16, dropout=0.1).double()
@@ -236,17 +256,20 @@ def _dropout_rank(rank: int, world: int) -> list[str]:
         ref = copy.deepcopy(model)
         inputs, targets = batches[0]
         compiled = ah.compile(model, ah.Cluster.local(world), inputs, loss_fn=loss,
-                              example_targets=targets, constraints=_pinned(world),
+                              example_targets=targets, constraints=_pinned(world, sp),
                               optimizer=OPTIMIZERS["sgd"])
         ref_opt = OPTIMIZERS["sgd"](list(ref.parameters()))
         ops = [op_name(n) for n in compiled.graphs["train"].graph.nodes]
         fails.check(f"{name}: no {op} in the tp graph", op in ops)
+        if sp and name.startswith("gpt"):  # the residual stream's dropout, sequence-sliced
+            fails.check(f"{name}: no sharded dropout under sp",
+                        "autohybrid.sharded_dropout.default" in ops)
         for step, (inputs, targets) in enumerate(batches):
             torch.manual_seed(100 + step)
             loss_value = compiled.train_step(inputs, targets)
             torch.manual_seed(100 + step)
             expected = eager_step(ref, ref_opt, default_eager_loss(loss), inputs, targets)
-            where = f"{name} tp{world} step {step}"
+            where = f"{name} tp{world} sp={sp} step {step}"
             fails.close(f"{where} loss", loss_value, expected)
             fails.close_dict(f"{where} grads", compiled.full_grads(), grads_of(ref))
             fails.close_dict(f"{where} state", compiled.full_state_dict(), state_of(ref))
@@ -259,6 +282,6 @@ def _dropout_rank(rank: int, world: int) -> list[str]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world", [2, 4])
-def test_dropout_under_tp_draws_eagers_masks(world):
-    _assert_no_failures(_launch(_dropout_rank, world))
+@pytest.mark.parametrize("world,sp", [(2, False), (4, True)], ids=["tp2", "tp4+sp"])
+def test_dropout_under_tp_draws_eagers_masks(world, sp):
+    _assert_no_failures(_launch(_dropout_rank, world, sp))

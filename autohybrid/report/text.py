@@ -57,6 +57,17 @@ def explain(compiled: Any) -> str:
         lines.append(f"graph {kind!r}: {len(gm.graph.nodes)} nodes; nodes created by passes "
                      f"{created or 'none'}; autohybrid ops {collectives or 'none'}; "
                      f"loss kind {notes.get('loss_kind', '-')}")
+    sharded = getattr(compiled, "sharded", None)
+    if sharded is not None:
+        mine = sum(p.numel() for p in compiled._unique_params())
+        whole = sum(p.numel() for p in compiled.model.parameters())
+        padded = sorted(n for n, s in sharded.specs.items() if s.padded != s.size)
+        fused = sorted(n for n, s in sharded.specs.items() if s.chunks > 1)
+        lines.append(f"tensor parallelism: {len(sharded.specs)} parameters split over tp = "
+                     f"{plan.mesh.tp}{' with sequence parallelism' if plan.mesh.sp else ''}; "
+                     f"this rank holds {mine:,} of {whole:,} parameter elements"
+                     + (f"; vocabulary padded: {padded}" if padded else "")
+                     + (f"; fused projections split block by block: {fused}" if fused else ""))
     reducer = compiled.executor.reducer
     sizes = [sum(p.numel() * p.element_size() for p in b.params) for b in reducer.buckets]
     lines.append(f"gradient buckets: {len(sizes)} (bytes {sizes}), all-reduced over dp = "

@@ -12,8 +12,6 @@ def unsupported(plan: Plan) -> list[str]:
     """Why the runtime cannot run `plan` yet (empty when it can)."""
     reasons = []
     mesh = plan.mesh
-    if mesh.sp:
-        reasons.append("sequence parallelism (sp=True) is not executable yet")
     if mesh.pp > 1:
         reasons.append(f"pipeline parallelism (pp={mesh.pp}) is not executable yet")
     if plan.schedule != "none":
