@@ -357,8 +357,6 @@ class _Rewriter:
         size = self.padded.get(logits, (dim, None))[1] or int(logits.meta[VAL].shape[dim]) * self.tp
         start = self.rank * int(logits.meta[VAL].shape[dim])
         smoothing = float(kw.get("label_smoothing", 0.0) or 0.0)
-        if op_name(node) != "aten.cross_entropy_loss.default":
-            smoothing = 0.0  # nll_loss on (log-)probabilities: no smoothing argument
         reduction = kw.get("reduction", 1)
         ignore = kw.get("ignore_index", -100)
         with self.graph.inserting_before(node):

@@ -44,8 +44,9 @@ _VIEWS = {"aten.view.default", "aten.reshape.default", "aten._unsafe_view.defaul
 _TRANSPOSES = {"aten.transpose.int", "aten.permute.default", "aten.t.default"}
 _SPLITS = {"aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default",
            "aten.unbind.int"}
-_CLASS_LOSSES = {"aten.cross_entropy_loss.default", "aten.nll_loss_nd.default",
-                 "aten.nll_loss.default"}
+#: The class loss a vocabulary-parallel cross-entropy replaces (computed from logits; an
+#: nll_loss reads log-probabilities, whose log-softmax needs the whole vocabulary anyway).
+_CLASS_LOSSES = {"aten.cross_entropy_loss.default"}
 _ELEMENTWISE_PREFIXES = ("aten.add.", "aten.sub.", "aten.mul.", "aten.div.", "aten.gelu.",
                          "aten.silu.", "aten.relu.", "aten.tanh.", "aten.sigmoid.",
                          "aten.dropout.", "aten.neg.", "aten.pow.", "aten.exp.",
