@@ -81,7 +81,7 @@ def search(profile: ModelProfile, cluster, request: PlanRequest,
     skipped: list[str] = []
     progress = _Progress(start)
     cache: dict = {}
-    for base in _layouts(profile, cluster, request, skipped, executable_only):
+    for base in _layouts(profile, cluster, request, skipped):
         for levels in _variants(base, request.constraints):
             for layout in levels:
                 reasons = checker.reasons(layout, profile)
@@ -128,7 +128,7 @@ def divisors(n: int) -> list[int]:
 
 
 def _layouts(profile: ModelProfile, cluster, request: PlanRequest,
-             skipped: list[str], executable_only: bool = False) -> Iterator[Layout]:
+             skipped: list[str]) -> Iterator[Layout]:
     pinned = request.constraints
     world = cluster.world_size
     blocks = len(profile.layers)
@@ -150,7 +150,7 @@ def _layouts(profile: ModelProfile, cluster, request: PlanRequest,
                                f"dp={dp} ranks (use a multiple of {dp})")
                 continue
             local = request.global_batch // dp
-            for sp in _sp_choices(tp, pinned, executable_only):
+            for sp in _sp_choices(tp, pinned):
                 mesh = Mesh(pp=pp, dp=dp, tp=tp, sp=sp)
                 for micro in _microbatch_sizes(local, pinned, skipped):
                     count = local // micro
@@ -173,16 +173,13 @@ def _tp_degrees(profile: ModelProfile, cluster, pinned: Constraints,
     return out
 
 
-def _sp_choices(tp: int, pinned: Constraints, executable_only: bool = False) -> list[bool]:
+def _sp_choices(tp: int, pinned: Constraints) -> list[bool]:
     """Sequence parallelism moves the same bytes as tp's all-reduces and splits the
     replicated regions' compute and activations, so with tp > 1 it dominates (pin sp=False
-    to see the alternative priced) — unless the search is limited to what the runtime
-    executes, where sp=False stays a candidate for when sp is not executable."""
+    to see the alternative priced)."""
     if pinned.sp is not None:
         return [pinned.sp]
-    if tp == 1:
-        return [False]
-    return [True, False] if executable_only else [True]
+    return [True] if tp > 1 else [False]
 
 
 def _microbatch_sizes(local: int, pinned: Constraints, skipped: list[str]) -> list[int]:
