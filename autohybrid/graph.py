@@ -113,18 +113,42 @@ def _stable(obj: Any) -> Any:
     return obj if isinstance(obj, (int, float, str, bool, type(None))) else type(obj).__name__
 
 
-def propagate_fake(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> None:
-    """Fill `meta["val"]` of `nodes` (new nodes a pass created) from their inputs' values."""
+def fake_mode(gm: fx.GraphModule):
+    """The FakeTensorMode of `gm`'s fake values (what passes compute new values under)."""
     from torch._guards import detect_fake_mode
 
     vals = [n.meta[VAL] for n in gm.graph.nodes if isinstance(n.meta.get(VAL), torch.Tensor)]
-    mode = detect_fake_mode(vals)
+    return detect_fake_mode(vals)
+
+
+def refresh_fake(node: fx.Node, mode) -> None:
+    """Recompute `meta["val"]` of call_function `node` from its inputs' values."""
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get(VAL))
+    with mode:
+        node.meta[VAL] = node.target(*args, **kwargs)
+
+
+def new_node(graph: fx.Graph, op: Any, args: Iterable, kwargs: dict | None, *,
+             pass_name: str, mode, like: fx.Node | None = None) -> fx.Node:
+    """A call_function node created by `pass_name` at the graph's insertion point, with
+    its fake value and (from `like`) the module stack and source line of the node it
+    stands for."""
+    node = graph.call_function(op, tuple(args), kwargs or {})
+    node.meta[AH_PASS] = pass_name
+    if like is not None:
+        for key in (MODULE_STACK, STACK_TRACE):
+            if key in like.meta:
+                node.meta[key] = like.meta[key]
+    refresh_fake(node, mode)
+    return node
+
+
+def propagate_fake(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> None:
+    """Fill `meta["val"]` of `nodes` (new nodes a pass created) from their inputs' values."""
+    mode = fake_mode(gm)
     for node in nodes:
-        if node.op != "call_function":
-            continue
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta[VAL])
-        with mode:
-            node.meta[VAL] = node.target(*args, **kwargs)
+        if node.op == "call_function":
+            refresh_fake(node, mode)
 
 
 class GraphFormatError(AssertionError):

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from ..capture import _dim_roles
-from ..graph import AH_PASS, AH_ROLE, VAL, op_name, output_node
+from ..graph import AH_PASS, AH_ROLE, VAL, fake_mode, new_node, op_name, output_node, refresh_fake
 from ..ops import dropout, tensor_parallel  # noqa: F401  (registers the ops)
 from ..search.sharding import _ELEMENTWISE_PREFIXES, _follow
 from .manager import PassContext
@@ -57,9 +57,7 @@ class _SequenceRewriter:
         self.sliced: dict[fx.Node, int] = {}   # value → its sequence dim (this rank's slice)
         self.wrapped: dict[fx.Node, fx.Node] = {}
         self.whole: dict[fx.Node, fx.Node] = {}
-        from torch._guards import detect_fake_mode
-        vals = [n.meta[VAL] for n in gm.graph.nodes if isinstance(n.meta.get(VAL), torch.Tensor)]
-        self.mode = detect_fake_mode(vals)
+        self.mode = fake_mode(gm)
 
     # ---------------------------------------------------------------- helpers
     def seq_dim(self, node: fx.Node) -> int | None:
@@ -70,18 +68,12 @@ class _SequenceRewriter:
                 if isinstance(s, torch.SymInt) and s.node.expr.free_symbols & self.seq]
         return dims[0] if len(dims) == 1 else None
 
-    def call(self, op, args, kwargs=None, like: fx.Node | None = None) -> fx.Node:
-        node = self.graph.call_function(op, tuple(args), kwargs or {})
-        node.meta[AH_PASS] = "sequence_parallel"
-        if like is not None and "nn_module_stack" in like.meta:
-            node.meta["nn_module_stack"] = like.meta["nn_module_stack"]
-        self.fake(node)
-        return node
+    def call(self, op, args, kwargs=None, *, like: fx.Node | None = None) -> fx.Node:
+        return new_node(self.graph, op, args, kwargs, pass_name="sequence_parallel",
+                        mode=self.mode, like=like)
 
     def fake(self, node: fx.Node) -> None:
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get(VAL))
-        with self.mode:
-            node.meta[VAL] = node.target(*args, **kwargs)
+        refresh_fake(node, self.mode)
 
     def gathered(self, x: fx.Node, before: fx.Node) -> fx.Node:
         """The whole sequence of sliced `x` for a replicated consumer."""

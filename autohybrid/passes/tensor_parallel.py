@@ -35,7 +35,8 @@ import torch
 import torch.fx as fx
 
 from ..errors import PlanError
-from ..graph import AH_PASS, AH_ROLE, VAL, op_name, output_node, source_line
+from ..graph import (AH_PASS, AH_ROLE, VAL, fake_mode, new_node, op_name, output_node,
+                     refresh_fake, source_line)
 from ..ops import tensor_parallel as tp_ops  # noqa: F401  (registers autohybrid::tp_*)
 from ..ops import dropout, vocab_parallel  # noqa: F401  (registers the ops they define)
 from ..search.sharding import (R, TensorParallelLayout, _CLASS_LOSSES, _ELEMENTWISE_PREFIXES,
@@ -135,9 +136,7 @@ class _Rewriter:
         # value → (dim, unpadded full size) for values whose split dim carries padding
         self.padded: dict[fx.Node, tuple[int, int]] = {}
         self.full = {n.name: n.meta.get(VAL) for n in gm.graph.nodes}  # before rewriting
-        from torch._guards import detect_fake_mode
-        vals = [n.meta[VAL] for n in gm.graph.nodes if isinstance(n.meta.get(VAL), torch.Tensor)]
-        self.mode = detect_fake_mode(vals)
+        self.mode = fake_mode(gm)
 
     # ---------------------------------------------------------------- helpers
     def _kv_ways(self) -> int:
@@ -151,19 +150,11 @@ class _Rewriter:
         return shard_dim(self.place.get(node.name, R))
 
     def call(self, op, args, kwargs=None, *, like: fx.Node | None = None) -> fx.Node:
-        node = self.graph.call_function(op, tuple(args), kwargs or {})
-        node.meta[AH_PASS] = "tensor_parallel"
-        if like is not None:
-            for key in ("nn_module_stack", "stack_trace"):
-                if key in like.meta:
-                    node.meta[key] = like.meta[key]
-        self.fake(node)
-        return node
+        return new_node(self.graph, op, args, kwargs, pass_name="tensor_parallel",
+                        mode=self.mode, like=like)
 
     def fake(self, node: fx.Node) -> None:
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get(VAL))
-        with self.mode:
-            node.meta[VAL] = node.target(*args, **kwargs)
+        refresh_fake(node, self.mode)
 
     def copy_of(self, x: fx.Node, before: fx.Node) -> fx.Node:
         """x through Megatron's f (one per distinct input)."""

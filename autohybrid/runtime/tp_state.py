@@ -62,7 +62,7 @@ class ShardedParameters:
     def full_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         out = {}
         for key, value in model.state_dict(keep_vars=True).items():
-            name = self._canonical(model, key)
+            name = self.alias.get(key, key)
             out[key] = (self.full(name, self.local[name]) if name in self.local
                         else value.detach().clone())
         return out
@@ -70,7 +70,7 @@ class ShardedParameters:
     def full_grads(self, model: nn.Module) -> dict[str, torch.Tensor | None]:
         out = {}
         for key, p in model.named_parameters(remove_duplicate=False):
-            name = self._canonical(model, key)
+            name = self.alias.get(key, key)
             if name in self.local:
                 grad = self.local[name].grad
                 out[key] = None if grad is None else self.full(name, grad)
@@ -96,6 +96,3 @@ class ShardedParameters:
         if self.group is not None and self.tp > 1:
             dist.all_reduce(split, group=self.group)
         return split + whole
-
-    def _canonical(self, model: nn.Module, key: str) -> str:
-        return self.alias.get(key, key)

@@ -202,12 +202,14 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
         pair = [0, mesh.dp * mesh.tp]  # neighbouring stages' ranks (placement order)
         hops = (m + mesh.pp - 1) * layout.virtual_stages
         p2p = 2 * hops * comm.send_recv(cluster, pair, activation)
-    params = []
+    params, tensors = [], 0
     for k in range(mesh.pp):
         key = ("params", bounds[k], bounds[k + 1], mesh.tp)
         if key not in cache:
-            cache[key] = profile.local_params(layers[k], mesh.tp)
-        params.append(cache[key])
+            names = {name for layer in layers[k] for name, _, _ in layer.params}
+            cache[key] = (profile.local_params(layers[k], mesh.tp), len(names))
+        params.append(cache[key][0])
+        tensors = max(tensors, cache[key][1])  # parameter tensors of the largest stage
     memories, grad_sync, exposed = [], 0.0, 0.0
     for k in range(mesh.pp):
         memory = _stage_memory(params[k], stages[k], layout, dtype, optimizer, k)
@@ -223,7 +225,6 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
     params_local = max(params)
     update = params_local / (mesh.dp if layout.zero else 1) * OPTIMIZER_BYTES_PER_PARAM \
         / (cluster.device.memory_bandwidth * MEMORY_EFFICIENCY)
-    tensors = max(len({name for layer in s for name, _, _ in layer.params}) for s in layers)
     if cluster.cluster.device_type != "cpu":
         tensors = 1  # foreach: one launch per op over every tensor
     update += tensors * OPTIMIZER_OPS_PER_TENSOR[optimizer] * cluster.device.launch_overhead_s
