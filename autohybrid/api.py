@@ -15,7 +15,7 @@ from .capture import CapturedGraph, as_tuple, capture
 from .cluster import Cluster
 from .errors import AutohybridError, NotExecutableError, PlanError
 from .passes.sync_batch_norm import training_batch_norms
-from .plan import Constraints, Plan
+from .plan import Constraints, Plan, schedule_problem
 from .runtime.features import unsupported
 from .search.planner import PlanRequest, search
 from .search.space import profile as model_profile
@@ -174,6 +174,10 @@ def check_plan_fits_model(plan: Plan, forward: CapturedGraph, cluster: Cluster) 
         raise PlanError(f"the plan's mesh {plan.mesh.describe()} has {plan.world_size} ranks "
                         f"but the cluster has {cluster.world_size} (degrees must multiply to the "
                         "world size)")
+    problem = schedule_problem(plan.schedule, plan.mesh.pp, plan.virtual_stages,
+                               plan.num_microbatches)
+    if problem:
+        raise PlanError(f"the plan's pipeline schedule cannot run: {problem}")
     reasons = unsupported(plan)
     if reasons:
         raise NotExecutableError("this plan cannot run yet: " + "; ".join(reasons))

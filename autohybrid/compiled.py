@@ -23,10 +23,11 @@ import torch.nn as nn
 from . import passes as passes_mod
 from .capture import CapturedGraph, as_tuple, capture
 from .cluster import Cluster
-from .errors import AutohybridError, PlanError
+from .errors import AutohybridError, PlanError, RuntimeFailure
 from .plan import Constraints, Plan
 from .runtime.executor import Executor, check_same_plan
 from .runtime.groups import build_mesh, ensure_initialized
+from .runtime.pipeline import PipelineRunner, shared_grad_groups
 from .runtime.tp_state import ShardedParameters
 
 
@@ -44,6 +45,8 @@ class CompiledModel:
         self.example_inputs = tuple(t.to(self.device) for t in example_inputs)
         self._forward_captures: dict[bool, CapturedGraph] = {}
         self.sharded: ShardedParameters | None = None  # this rank's shards (tp > 1)
+        self._owned: set[str] | None = None  # parameters of this rank's stages (pp > 1)
+        self._runners: dict[str, PipelineRunner] = {}
         forward = self._forward_capture()
         self._train: CapturedGraph | None = None
         if example_targets is not None:
@@ -69,15 +72,19 @@ class CompiledModel:
         self.programs: dict[str, CapturedGraph] = {}
         if self._train is not None:
             self._rewrite("train", self._train)
-        elif plan.mesh.tp > 1:  # the shards come from the forward graph until training
+        elif plan.mesh.tp > 1 or plan.mesh.pp > 1:
+            # the shards and stages come from the forward graph until training
             self._rewrite(self._forward_kind(), forward)
+        first_notes = next(iter(self.notes.values()), {})
         if plan.mesh.tp > 1:
-            specs = next(iter(self.notes.values()))["param_shards"]
             tp_group = mesh.get_group("tp") if mesh is not None else None
-            self.sharded = ShardedParameters(model, specs, tp_group, plan.mesh.tp)
+            self.sharded = ShardedParameters(model, first_notes["param_shards"], tp_group,
+                                             plan.mesh.tp)
             self.sharded.into_state(state)
-            if optimizer_factory:  # over this rank's shards
-                self.optimizer = optimizer_factory(self._unique_params())
+        if plan.mesh.pp > 1:
+            self._owned = self._stage_params(first_notes)
+        if optimizer_factory and (self.sharded is not None or self._owned is not None):
+            self.optimizer = optimizer_factory(self._unique_params())  # over this rank's part
         self.executor = Executor(plan, self.rank, self.coords[1], dp_group,
                                  _full_state(model, state), self._unique_params())
 
@@ -91,10 +98,59 @@ class CompiledModel:
             self.device = torch.device("cpu")
 
     def _unique_params(self) -> list[nn.Parameter]:
-        """The parameters this rank trains: the model's own, or its shards of split ones."""
+        """The parameters this rank trains: the model's own, or its shards of split ones;
+        with pipeline parallelism only those its stages read."""
+        named = list(self.model.named_parameters())
         if self.sharded is not None:
-            return self.sharded.parameters(self.model)
-        return list(self.model.parameters())
+            named = list(zip([n for n, _ in named], self.sharded.parameters(self.model)))
+        return [p for name, p in named if self._owned is None or name in self._owned]
+
+    # ------------------------------------------------------------------ pipeline
+    def _stage_params(self, notes: dict[str, Any]) -> set[str]:
+        """Canonical names of the parameters the stages of this rank read."""
+        ranks = self.plan.stage_ranks()
+        return {name for stage in notes["pipeline"].stages
+                if ranks[stage.index] == self.coords[0] for name in stage.params}
+
+    def _runner(self, kind: str) -> PipelineRunner | None:
+        """This rank's pipeline stages for the program `kind` (None without pp)."""
+        if self.plan.mesh.pp == 1:
+            return None
+        if kind not in self._runners:
+            notes = self.notes[kind]
+            owned = self._stage_params(notes)
+            if owned != self._owned:
+                raise RuntimeFailure(
+                    f"the {kind} graph puts other parameters on this rank's pipeline stages "
+                    f"than the graph the optimizer was built for ({sorted(owned ^ self._owned)[:3]}"
+                    "); compile with example_targets so that one training graph is used "
+                    "throughout")
+            pp_group = self.mesh.get_group("pp") if self.mesh is not None else None
+            shared = shared_grad_groups(self.plan, notes["pipeline"]) if kind == "train" else {}
+            self._runners[kind] = PipelineRunner(
+                self.plan, notes["pipeline"], self.programs[kind], self.executor.state,
+                self.coords[0], pp_group, self.device, shared)
+        return self._runners[kind]
+
+    def _merge_stages(self, local: dict[str, Any], canonical: dict[str, str]) -> dict[str, Any]:
+        """`local` with every parameter entry taken from a pp rank whose stages own it
+        (keys map to canonical parameter names by `canonical`; other entries stay)."""
+        if self.plan.mesh.pp == 1 or self.mesh is None:
+            return local
+        mine = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
+                for k, v in local.items() if canonical.get(k) in self._owned}
+        pieces: list[Any] = [None] * self.plan.mesh.pp
+        dist.all_gather_object(pieces, mine, group=self.mesh.get_group("pp"))
+        out = dict(local)
+        for piece in reversed(pieces):
+            out.update({k: (v.to(self.device) if isinstance(v, torch.Tensor) else v)
+                        for k, v in piece.items()})
+        return out
+
+    def _canonical_keys(self) -> dict[str, str]:
+        first: dict[int, str] = {}
+        return {key: first.setdefault(id(p), key)
+                for key, p in self.model.named_parameters(remove_duplicate=False)}
 
     def _forward_kind(self) -> str:
         return f"forward_{'train' if self.model.training else 'eval'}"
@@ -164,7 +220,7 @@ class CompiledModel:
             p.grad = None
         result = self.executor.forward_backward(self.programs["train"],
                                                 self.notes["train"]["loss_kind"], inputs,
-                                                targets, local)
+                                                targets, local, self._runner("train"))
         return result.loss
 
     def train_step(self, inputs: Any, targets: Any = None, *, local: bool = False,
@@ -183,17 +239,37 @@ class CompiledModel:
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return torch.zeros(())
-        if self.sharded is not None:
+        if self.sharded is not None or self._owned is not None:
             if norm_type != 2.0:
-                raise AutohybridError(f"clip_grad_norm_ with tensor parallelism supports the "
-                                      f"2-norm only, got norm_type={norm_type}")
-            total = self.sharded.squared_norm(params).sqrt().to(grads[0].dtype)
+                raise AutohybridError(f"clip_grad_norm_ with tensor or pipeline parallelism "
+                                      f"supports the 2-norm only, got norm_type={norm_type}")
+            total = self._squared_grad_norm(params).sqrt().to(grads[0].dtype)
         else:
             norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads])
             total = torch.linalg.vector_norm(norms, norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef.to(g.dtype))
+        return total
+
+    def _squared_grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """Σ g² over the whole model: tp shards summed over the tp group, stages over the
+        pp group, a parameter that stages on k pp ranks hold (tied weights) counted once."""
+        weights: dict[int, float] = {}
+        runner = self._runners.get("train")
+        if runner is not None:
+            ranks = self.plan.stage_ranks()
+            for name, stages in runner.split.shared_params.items():
+                holders = len({ranks[s] for s in stages})
+                weights[id(self.executor.state[name])] = 1.0 / holders
+        if self.sharded is not None:
+            total = self.sharded.squared_norm(params, weights)
+        else:
+            total = sum((weights.get(id(p), 1.0) * p.grad.detach().double().pow(2).sum()
+                         for p in params if p.grad is not None),
+                        torch.zeros((), dtype=torch.float64))
+        if self._owned is not None and self.mesh is not None:
+            dist.all_reduce(total, group=self.mesh.get_group("pp"))
         return total
 
     def local_slice(self, batch: Any) -> Any:
@@ -208,7 +284,7 @@ class CompiledModel:
         program = self.programs.get(kind) or self._rewrite(kind, cap)
         tensors = self._inputs(inputs, "inputs", len(self.example_inputs))
         with torch.no_grad():
-            return self.executor.forward(program, tensors)
+            return self.executor.forward(program, tensors, self._runner(kind))
 
     # ------------------------------------------------------------------ state
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -218,17 +294,21 @@ class CompiledModel:
         """Every parameter and buffer, whole, as `model.state_dict()` names them (split
         parameters gathered from the tp group: every rank must call it)."""
         if self.sharded is not None:
-            return self.sharded.full_state(self.model)
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            state = self.sharded.full_state(self.model)
+        else:
+            state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return self._merge_stages(state, self._canonical_keys())
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """The gradients of the last step, whole, keyed like `model.named_parameters()`
         (split ones gathered from the tp group: every rank must call it)."""
         if self.sharded is not None:
-            grads = self.sharded.full_grads(self.model)
-            return {n: grads[n] for n, _ in self.model.named_parameters()}
-        return {n: (p.grad.detach().clone() if p.grad is not None else None)
-                for n, p in self.model.named_parameters()}
+            all_grads = self.sharded.full_grads(self.model)
+            grads = {n: all_grads[n] for n, _ in self.model.named_parameters()}
+        else:
+            grads = {n: (p.grad.detach().clone() if p.grad is not None else None)
+                     for n, p in self.model.named_parameters()}
+        return self._merge_stages(grads, self._canonical_keys())
 
     @property
     def kernels(self) -> list:

@@ -20,7 +20,15 @@ from typing import Any
 from .errors import PlanError
 
 FORMAT_VERSION = 1
-SCHEDULES = ("none", "gpipe", "1f1b", "interleaved", "zero-bubble")
+#: Pipeline schedules (torch.distributed.pipelining): the ones with one stage per rank,
+#: the looped ones (stage s on pp rank s mod pp, v ≥ 1 stages per rank) and the V-shaped
+#: ones (two stages per rank: s and 2·pp−1−s). "zero-bubble" is torch's
+#: ScheduleInterleavedZeroBubble (ZB-H1 per stage, v ≥ 1); "zbv" its ZB-V schedule.
+SCHEDULES = ("none", "gpipe", "1f1b", "interleaved", "looped-bfs", "zero-bubble", "zbv",
+             "dualpipev")
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+LOOPED_SCHEDULES = ("interleaved", "looped-bfs", "zero-bubble")
+V_SCHEDULES = ("zbv", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
 COLLECTIVE_ALGORITHMS = ("flat", "hierarchical")
 OPTIMIZERS = ("adam", "sgd", "none")
@@ -152,6 +160,15 @@ class Plan:
         """Samples per data-parallel rank per step."""
         return self.microbatch_size * self.num_microbatches
 
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages of the model: pp × virtual stages."""
+        return self.mesh.pp * self.virtual_stages
+
+    def stage_ranks(self) -> tuple[int, ...]:
+        """The pp coordinate that runs each pipeline stage."""
+        return stage_ranks(self.schedule, self.mesh.pp, self.virtual_stages)
+
     def hash(self) -> str:
         """Hash of the plan's decisions (not of its predictions or alternatives)."""
         decisions = dataclasses.replace(self, predicted=Prediction(), alternatives=())
@@ -247,6 +264,42 @@ class Constraints:
     def pinned(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if getattr(self, f.name) is not None}
+
+
+def stage_ranks(schedule: str, pp: int, virtual_stages: int) -> tuple[int, ...]:
+    """The pp coordinate of each of the pp × v stages: looped (s mod pp) or V-shaped."""
+    stages = pp * virtual_stages
+    if schedule in V_SCHEDULES:
+        return tuple(s if s < pp else 2 * pp - 1 - s for s in range(stages))
+    return tuple(s % pp for s in range(stages))
+
+
+def schedule_problem(schedule: str, pp: int, virtual_stages: int,
+                     num_microbatches: int) -> str | None:
+    """Why torch's `schedule` cannot run pp ranks × v stages × m microbatches (None: it can)."""
+    v, m = virtual_stages, num_microbatches
+    if pp == 1:
+        if schedule != "none" or v != 1:
+            return f"schedule {schedule!r} with {v} virtual stages needs pp > 1"
+        return None
+    if schedule == "none":
+        return f"pp={pp} needs a pipeline schedule"
+    if schedule in SINGLE_STAGE_SCHEDULES and v != 1:
+        return f"schedule {schedule!r} runs one stage per rank, not virtual_stages={v}"
+    if schedule == "interleaved" and v < 2:
+        return "schedule 'interleaved' needs virtual_stages ≥ 2 (use '1f1b' for one)"
+    if schedule in V_SCHEDULES and v != 2:
+        return f"schedule {schedule!r} runs exactly two (V-shaped) stages per rank, not {v}"
+    if schedule == "1f1b" and m < pp:
+        return f"schedule '1f1b' needs at least pp={pp} microbatches, got {m}"
+    if schedule in ("interleaved", "zero-bubble") and m >= pp and m % (m // pp):
+        return (f"schedule {schedule!r} needs the {m} microbatches to split into rounds of "
+                f"pp={pp} (use a multiple of {pp})")
+    if schedule == "zbv" and m < 2 * pp:
+        return f"schedule 'zbv' needs at least 2 × pp = {2 * pp} microbatches, got {m}"
+    if schedule == "dualpipev" and m < 2 * pp:
+        return f"schedule 'dualpipev' needs at least 2 × pp = {2 * pp} microbatches, got {m}"
+    return None
 
 
 # ---------------------------------------------------------------------- validation

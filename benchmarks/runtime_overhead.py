@@ -1,4 +1,5 @@
-"""autohybrid's tensor-parallel step time against DTensor's `parallelize_module`.
+"""autohybrid's tensor- and pipeline-parallel step times against DTensor's
+`parallelize_module` and a hand-written torch.distributed.pipelining run.
 
     python benchmarks/runtime_overhead.py [--steps 20] [--warmup 2] [--world 2]
 
@@ -14,6 +15,20 @@ batches with the same SGD optimizer:
   `mlp.proj`, a vocabulary-parallel tied embedding (RowwiseParallel with replicated
   input ids) and LM head (ColwiseParallel with Shard(-1) logits) with `loss_parallel()`;
 - eager: the whole model in one process (rank 0 while the others wait), for context.
+
+The pp layout (`PP_CONFIGS`, GPT with an untied head: pipeline() does not tie weights
+across stages) compares the same way, on pp = world ranks, schedule 1F1B with 2·pp
+microbatches:
+
+- autohybrid: `ah.Constraints(pp=world, dp=1, tp=1, schedule="1f1b", num_microbatches=m,
+  stage_boundaries=equal)`, the stage boundaries pinned to the hand-written split;
+- pipeline(): hand-written torch.distributed.pipelining, `pipeline(model, mb_args=...,
+  split_spec={"blocks.K": SplitPoint.BEGINNING})` with equal runs of blocks,
+  `pipe.build_stage(rank, device)`, `Schedule1F1B(stage, m, loss_fn=...)`,
+  `schedule.step(...)` and SGD over the stage's parameters (see `HandPipeline`).
+
+Both run the same stages on the same microbatches, so the ratio is the runtime's own
+overhead; a barrier before each pp step keeps the ranks' step times aligned.
 
 autohybrid and DTensor steps alternate (after a warm-up, autohybrid's first step captures
 its training graph), so drift in the machine's speed hits both alike. A step's time is
@@ -41,6 +56,11 @@ import autohybrid as ah
 CONFIGS = [
     ("gpt h128 l4 s64 b16", dict(layers=4, hidden=128, heads=4, vocab=1024, seq=64), 16),
     ("gpt h256 l4 s128 b8", dict(layers=4, hidden=256, heads=8, vocab=2048, seq=128), 8),
+]
+#: pp layout: name, gpt kwargs, global batch
+PP_CONFIGS = [
+    ("gpt h128 l4 s64 b16 untied",
+     dict(layers=4, hidden=128, heads=4, vocab=1024, seq=64, tie_embeddings=False), 16),
 ]
 LR = 0.05
 
@@ -140,6 +160,41 @@ def eager_step(model, optimizer, tokens, targets) -> torch.Tensor:
     return loss.detach()
 
 
+# ------------------------------------------------------------------ pipeline() side
+def equal_boundaries(layers: int, pp: int) -> tuple[str, ...]:
+    """Equal runs of blocks per stage (embedding first, head last), as autohybrid layer
+    names ('model.blocks.2'); pipeline()'s split points are the same without 'model.'."""
+    return tuple(f"model.blocks.{k * layers // pp}" for k in range(1, pp))
+
+
+class HandPipeline:
+    """torch.distributed.pipelining as a user writes it: pipeline() + Schedule1F1B."""
+
+    def __init__(self, model, boundaries, rank: int, pp: int, m: int, example: torch.Tensor):
+        from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
+
+        self.rank, self.pp = rank, pp
+        spec = {b.removeprefix("model."): SplitPoint.BEGINNING for b in boundaries}
+        pipe = pipeline(model, mb_args=(example[: example.shape[0] // m],), split_spec=spec)
+        self.stage = pipe.build_stage(rank, torch.device("cpu"))
+        self.schedule = Schedule1F1B(self.stage, m, loss_fn=loss_fn)
+        self.optimizer = sgd(self.stage.submod.parameters())
+
+    def step(self, tokens, targets) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        if self.rank == 0:
+            self.schedule.step(tokens)
+        elif self.rank == self.pp - 1:
+            self.schedule.step(target=targets, losses=losses)
+        else:
+            self.schedule.step()
+        self.optimizer.step()
+        if not losses:
+            return torch.tensor(float("nan"))
+        return torch.stack([l.detach() for l in losses]).mean()  # equal microbatches
+
+
 # ------------------------------------------------------------------ one rank
 def _timed(fn, *args) -> tuple[float, torch.Tensor]:
     start = time.perf_counter()
@@ -184,6 +239,46 @@ def run_rank(rank: int, world: int, config: dict, batch: int, steps: int, warmup
             "ah_split": shards, "mesh": compiled.plan.mesh.describe()}
 
 
+def run_pp_rank(rank: int, world: int, config: dict, batch: int, steps: int,
+                warmup: int) -> dict:
+    torch.set_num_threads(1)
+    data = batches(config, batch, warmup + steps)
+    tokens0, targets0 = data[0]
+    m, boundaries = 2 * world, equal_boundaries(config["layers"], world)
+    compiled = ah.compile(build(config), ah.Cluster.local(world), (tokens0,), loss_fn=loss_fn,
+                          example_targets=targets0, optimizer=sgd,
+                          constraints=ah.Constraints(pp=world, dp=1, tp=1, schedule="1f1b",
+                                                     num_microbatches=m,
+                                                     stage_boundaries=boundaries))
+    hand = HandPipeline(build(config), boundaries, rank, world, m, tokens0)
+
+    ah_times, dt_times, ah_losses, dt_losses = [], [], [], []
+    for tokens, targets in data:  # warm-up first (autohybrid captures its train graph)
+        dist.barrier()
+        t, loss = _timed(compiled.train_step, tokens, targets)
+        ah_times.append(t)
+        ah_losses.append(float(loss))
+        dist.barrier()
+        t, loss = _timed(hand.step, tokens, targets)
+        dt_times.append(t)
+        dt_losses.append(float(loss))
+
+    eager_times, eager_losses = [], []
+    if rank == 0:
+        model = build(config)
+        opt = sgd(model.parameters())
+        for tokens, targets in data:
+            t, loss = _timed(eager_step, model, opt, tokens, targets)
+            eager_times.append(t)
+            eager_losses.append(float(loss))
+    dist.barrier()
+    plan = compiled.plan
+    return {"ah": ah_times[warmup:], "dt": dt_times[warmup:], "eager": eager_times[warmup:],
+            "ah_loss": ah_losses, "dt_loss": dt_losses, "eager_loss": eager_losses,
+            "boundaries": plan.stage_boundaries,
+            "mesh": f"{plan.mesh.describe()} {plan.schedule} m={plan.num_microbatches}"}
+
+
 def _slowest_rank(results: list[dict], key: str) -> list[float]:
     """Per timed step, the slowest rank's time (the step ends when every rank's ends)."""
     return [max(r[key][i] for r in results) for i in range(len(results[0][key]))]
@@ -193,7 +288,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--world", type=int, default=2, help="tp degree = ranks (2 or 4)")
+    parser.add_argument("--world", type=int, default=2,
+                        help="tp degree = pp degree = ranks (2 or 4)")
     args = parser.parse_args()
 
     rows = []
@@ -207,7 +303,7 @@ def main() -> None:
         spread = (min(ah_s) * 1e3, max(ah_s) * 1e3, min(dt_s) * 1e3, max(dt_s) * 1e3)
         eager_ms = statistics.median(r0["eager"]) * 1e3
         diff = max(abs(a - d) for a, d in zip(r0["ah_loss"], r0["dt_loss"]))
-        rows.append((name, ah_ms, dt_ms, paired, eager_ms, diff))
+        rows.append((name, f"tp{args.world} vs DTensor", ah_ms, dt_ms, paired, eager_ms, diff))
         split = r0["ah_split"]
         outside = [p for p in split if not p.startswith("blocks.")]
         block0 = [p[len("blocks.0."):] for p in split if p.startswith("blocks.0.")]
@@ -222,14 +318,38 @@ def main() -> None:
               f"{spread[2]:.1f}–{spread[3]:.1f}; load average {os.getloadavg()[0]:.1f}",
               flush=True)
 
+    for name, config, batch in PP_CONFIGS:
+        results = ah.launch(run_pp_rank, ah.Cluster.local(args.world),
+                            args=(args.world, config, batch, args.steps, args.warmup))
+        r0, rl = results[0], results[-1]  # the last stage's rank holds pipeline()'s loss
+        ah_s, dt_s = _slowest_rank(results, "ah"), _slowest_rank(results, "dt")
+        ah_ms, dt_ms = statistics.median(ah_s) * 1e3, statistics.median(dt_s) * 1e3
+        paired = statistics.median(a / d for a, d in zip(ah_s, dt_s))
+        eager_ms = statistics.median(r0["eager"]) * 1e3
+        diff = max(abs(a - d) for a, d in zip(rl["ah_loss"], rl["dt_loss"]))
+        layout = f"pp{args.world} 1f1b vs pipeline()"
+        rows.append((name, layout, ah_ms, dt_ms, paired, eager_ms, diff))
+        print(f"{name}: autohybrid plan {r0['mesh']}, stage boundaries pinned to pipeline()'s "
+              f"split {list(r0['boundaries'])}")
+        print(f"  step-0 loss: autohybrid {rl['ah_loss'][0]:.7f}  pipeline() "
+              f"{rl['dt_loss'][0]:.7f}  eager {r0['eager_loss'][0]:.7f}; "
+              f"last: {rl['ah_loss'][-1]:.7f} / {rl['dt_loss'][-1]:.7f} / "
+              f"{r0['eager_loss'][-1]:.7f}; max |autohybrid − pipeline()| over "
+              f"{len(rl['ah_loss'])} steps {diff:.1e}")
+        print(f"  step ms min–max: autohybrid {min(ah_s) * 1e3:.1f}–{max(ah_s) * 1e3:.1f}, "
+              f"pipeline() {min(dt_s) * 1e3:.1f}–{max(dt_s) * 1e3:.1f}; load average "
+              f"{os.getloadavg()[0]:.1f}", flush=True)
+
     print(f"\nmedian of {args.steps} steps after {args.warmup} warm-up, slowest rank per step; "
-          f"ratio = autohybrid / DTensor medians (goal <= 1.0, first bar <= 1.10); paired = "
-          f"median of per-step ratios; eager: one process, one thread")
-    print(f"{'model':>22} {'ranks':>5} {'autohybrid ms':>14} {'DTensor ms':>11} "
-          f"{'ratio':>6} {'paired':>7} {'eager 1-proc ms':>16} {'loss diff':>10}")
-    for name, ah_ms, dt_ms, paired, eager_ms, diff in rows:
-        print(f"{name:>22} {args.world:>5} {ah_ms:>14.1f} {dt_ms:>11.1f} {ah_ms / dt_ms:>6.2f} "
-              f"{paired:>7.2f} {eager_ms:>16.1f} {diff:>10.1e}")
+          f"ratio = autohybrid / baseline (DTensor or hand-written pipeline()) medians (goal "
+          f"<= 1.0, first bar <= 1.10); paired = median of per-step ratios; eager: one "
+          f"process, one thread")
+    print(f"{'model':>27} {'layout':>24} {'ranks':>5} {'autohybrid ms':>14} "
+          f"{'baseline ms':>12} {'ratio':>6} {'paired':>7} {'eager 1-proc ms':>16} "
+          f"{'loss diff':>10}")
+    for name, layout, ah_ms, dt_ms, paired, eager_ms, diff in rows:
+        print(f"{name:>27} {layout:>24} {args.world:>5} {ah_ms:>14.1f} {dt_ms:>12.1f} "
+              f"{ah_ms / dt_ms:>6.2f} {paired:>7.2f} {eager_ms:>16.1f} {diff:>10.1e}")
 
 
 if __name__ == "__main__":

@@ -184,7 +184,7 @@ def test_planning_inputs_that_cannot_work() -> None:
     inputs, targets = models.example_batch("gpt-tiny", 6)
     with pytest.raises(ah.PlanError, match="multiple of 4"):
         ah.plan(model, ah.Cluster.local(4), inputs, executable_only=True,
-                constraints=ah.Constraints(tp=1))
+                constraints=ah.Constraints(tp=1, pp=1))
     with pytest.raises(ah.PlanError, match="dp=3"):
         ah.plan(model, ah.Cluster.local(2), inputs, constraints=ah.Constraints(dp=3))
     with pytest.raises(ah.PlanError, match="num_microbatches=4"):

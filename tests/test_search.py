@@ -140,6 +140,8 @@ def test_planner_prefers_interleaving_for_llama3_405b_on_512_gpus():
     free, one_f_one_b, interleaved = best(None), best("1f1b"), best("interleaved")
     assert free.schedule != "1f1b"
     assert interleaved.virtual_stages > 1
+    for plan in (free, one_f_one_b, interleaved):  # every stage after the first named
+        assert len(plan.stage_boundaries) == plan.num_stages - 1 == 8 * plan.virtual_stages - 1
     speedup = one_f_one_b.predicted.step_time_s / interleaved.predicted.step_time_s
     assert 1.05 < speedup < 1.6  # measured: 128 / 100 = 1.28
 

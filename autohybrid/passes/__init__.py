@@ -5,14 +5,16 @@ must see the rewritten outputs; `sync_batch_norm` after it, since it depends onl
 data-parallel axis; `tensor_parallel` then splits the graph over the tp axis (it sees the
 loss already as a sum, so the vocabulary-parallel loss keeps it one); `sequence_parallel`
 then turns its f/g pairs into all-gather/reduce-scatter and slices the regions between
-them by sequence. Later passes (pipeline_split → recompute → overlap → fusion) join this
-list as the runtime learns to execute them.
+them by sequence; `pipeline_split` last cuts the finished rank-local graph into stages (so
+a stage's graph carries its tp/sp collectives and sends tp-local activations). Later
+passes (recompute → overlap → fusion) join this list as the runtime learns to execute them.
 """
 from __future__ import annotations
 
 from .global_loss import global_loss
 from .manager import Pass, PassContext, run_passes
 from .sync_batch_norm import sync_batch_norm
+from .pipeline_split import pipeline_split
 from .sequence_parallel import sequence_parallel
 from .tensor_parallel import tensor_parallel
 
@@ -21,8 +23,10 @@ REGISTRY: dict[str, Pass] = {
     "sync_batch_norm": sync_batch_norm,
     "tensor_parallel": tensor_parallel,
     "sequence_parallel": sequence_parallel,
+    "pipeline_split": pipeline_split,
 }
-ORDER = ("global_loss", "sync_batch_norm", "tensor_parallel", "sequence_parallel")
+ORDER = ("global_loss", "sync_batch_norm", "tensor_parallel", "sequence_parallel",
+         "pipeline_split")
 
 
 def passes_for(graph_kind: str) -> list[tuple[str, Pass]]:

@@ -29,6 +29,11 @@ def format_plan(plan: Plan) -> str:
         f"(parameters {m.params / _GiB:.3f}, gradients {m.grads / _GiB:.3f}, optimizer "
         f"{m.optimizer / _GiB:.3f}, activations {m.activations / _GiB:.3f})",
     ]
+    if plan.mesh.pp > 1:
+        lines.append(f"  pipeline        {plan.schedule}, {plan.num_stages} stages "
+                     f"({plan.virtual_stages} per rank on pp ranks {list(plan.stage_ranks())}); "
+                     f"stages start at {', '.join(plan.stage_boundaries)}; predicted bubble "
+                     f"{p.bubble_fraction * 100:.1f} % of the step")
     if not plan.executable:
         lines.append("  NOT EXECUTABLE YET: " + "; ".join(plan.not_executable_because))
     if plan.alternatives:
@@ -68,6 +73,14 @@ def explain(compiled: Any) -> str:
                      f"this rank holds {mine:,} of {whole:,} parameter elements"
                      + (f"; vocabulary padded: {padded}" if padded else "")
                      + (f"; fused projections split block by block: {fused}" if fused else ""))
+    split = next((n["pipeline"] for n in compiled.notes.values() if "pipeline" in n), None)
+    if split is not None:
+        ranks = plan.stage_ranks()
+        mine = [s.index for s in split.stages if ranks[s.index] == compiled.coords[0]]
+        lines.append(f"pipeline stages (this rank runs {mine}):")
+        lines += [f"  {stage.describe()}" for stage in split.stages]
+        if split.shared_params:
+            lines.append(f"  gradients summed across stages (tied weights): {split.shared_params}")
     reducer = compiled.executor.reducer
     sizes = [sum(p.numel() * p.element_size() for p in b.params) for b in reducer.buckets]
     lines.append(f"gradient buckets: {len(sizes)} (bytes {sizes}), all-reduced over dp = "

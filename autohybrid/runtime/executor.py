@@ -2,8 +2,9 @@
 
 Each rank receives the same global batch, takes its data-parallel shard (dim 0, split as
 `torch.tensor_split` does, so any batch of at least dp × microbatches samples works), runs
-its microbatches through the rewritten training graph, and backward-propagates the loss
-numerator (see passes/global_loss.py). The reducer all-reduces gradient buckets during
+its microbatches through the rewritten training graph (or, with pipeline parallelism,
+through its stages under the Plan's schedule: runtime/pipeline.py), and
+backward-propagates the loss numerator (see passes/global_loss.py). The reducer all-reduces gradient buckets during
 the last backward; gradients are then scaled by 1 / Σ denominators, which gives exactly
 the gradients of eager's loss on the whole batch.
 """
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from ..capture import CapturedGraph
 from ..errors import AutohybridError
 from ..plan import Plan
+from .pipeline import PipelineRunner
 from .reducer import GradReducer
 
 
@@ -62,10 +64,37 @@ class Executor:
     # ------------------------------------------------------------------ training
     def forward_backward(self, program: CapturedGraph, loss_kind: str,
                          inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
-                         local: bool) -> StepResult:
+                         local: bool, pipeline: PipelineRunner | None = None) -> StepResult:
+        """Gradients of eager's loss on the global batch (summed over dp, scaled)."""
         if not local:
             inputs = self.local_slice(inputs, "inputs")
             targets = self.local_slice(targets, "targets")
+        if pipeline is not None:
+            numerator, denominator = pipeline.forward_backward(inputs, targets)
+        else:
+            numerator, denominator = self._microbatch_loop(program, inputs, targets)
+        self.last_backward_end = time.perf_counter()
+        totals = torch.stack([numerator.double(), denominator.double()])
+        if pipeline is not None and pipeline.pp_group is not None:
+            dist.all_reduce(totals, group=pipeline.pp_group)  # from the last stage
+        if self.dp_group is not None and self.dp > 1:
+            dist.all_reduce(totals, group=self.dp_group)
+        if loss_kind == "mean":
+            scale = 1.0 / totals[1]
+            loss = totals[0] / totals[1]
+        else:
+            scale = torch.ones((), dtype=torch.float64)
+            loss = totals[0]
+        if pipeline is not None:
+            pipeline.sum_shared_grads()
+        dtype = pipeline.loss_dtype if pipeline is not None else numerator.dtype
+        self.reducer.finish(scale.to(dtype))
+        return StepResult(loss=loss.to(dtype), numerator=numerator, denominator=denominator)
+
+    def _microbatch_loop(self, program: CapturedGraph, inputs: Sequence[torch.Tensor],
+                         targets: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of each microbatch in turn; the dp reducer is armed for
+        the last backward, so gradient buckets are summed while it runs."""
         micro_in = self.microbatches(inputs, "inputs")
         micro_tg = self.microbatches(targets, "targets")
         numerator = denominator = None
@@ -77,29 +106,19 @@ class Executor:
             num.backward()
             numerator = num.detach() if numerator is None else numerator + num.detach()
             denominator = den.detach() if denominator is None else denominator + den.detach()
-        self.last_backward_end = time.perf_counter()
-        totals = torch.stack([numerator.double(), denominator.double()])
-        if self.dp_group is not None and self.dp > 1:
-            dist.all_reduce(totals, group=self.dp_group)
-        if loss_kind == "mean":
-            scale = 1.0 / totals[1]
-            loss = totals[0] / totals[1]
-        else:
-            scale = torch.ones((), dtype=torch.float64)
-            loss = totals[0]
-        self.reducer.finish(scale.to(numerator.dtype))
-        return StepResult(loss=loss.to(numerator.dtype), numerator=numerator,
-                          denominator=denominator)
+        return numerator, denominator
 
     # ------------------------------------------------------------------ forward only
-    def forward(self, program: CapturedGraph, inputs: Sequence[torch.Tensor]) -> Any:
+    def forward(self, program: CapturedGraph, inputs: Sequence[torch.Tensor],
+                pipeline: PipelineRunner | None = None) -> Any:
         """Forward over the dp shards, outputs gathered back to the full batch."""
         batch = inputs[0].shape[0]
         if batch < self.dp:
             raise AutohybridError(f"compiled(inputs): a batch of {batch} samples is smaller than "
                                   f"dp={self.dp}; pass at least {self.dp} samples")
         local = self.local_slice(inputs, "inputs")
-        out = program.run(self.state, local, ())
+        out = (pipeline.forward(local) if pipeline is not None
+               else program.run(self.state, local, ()))
         if self.dp == 1 or self.dp_group is None:
             return out
         sizes = [len(range(batch)[s]) for s in _shard_slices(batch, self.dp)]

@@ -11,16 +11,6 @@ from ..plan import Plan
 def unsupported(plan: Plan) -> list[str]:
     """Why the runtime cannot run `plan` yet (empty when it can)."""
     reasons = []
-    mesh = plan.mesh
-    if mesh.pp > 1:
-        reasons.append(f"pipeline parallelism (pp={mesh.pp}) is not executable yet")
-    if plan.schedule != "none":
-        reasons.append(f"pipeline schedule {plan.schedule!r} needs pipeline parallelism, "
-                       "which is not executable yet")
-    if plan.virtual_stages != 1:
-        reasons.append(f"virtual_stages={plan.virtual_stages} (interleaving) is not executable yet")
-    if plan.stage_boundaries:
-        reasons.append("stage_boundaries need pipeline parallelism, not executable yet")
     if plan.zero:
         reasons.append(f"ZeRO stage {plan.zero} is not executable yet (ZeRO 0 only)")
     if plan.recompute != "none":

@@ -104,6 +104,7 @@ class GradReducer:
                 if p.grad is not None:  # frozen or unused: no gradient, as in eager
                     p.grad.copy_(bucket.flat[offset:offset + n].view_as(p).mul_(scale))
                 offset += n
+            bucket.flat, bucket.work = None, None  # the next step starts from its own grads
         self.active = False
 
     def remove(self) -> None:

@@ -78,16 +78,19 @@ class ShardedParameters:
                 out[key] = None if p.grad is None else p.grad.detach().clone()
         return out
 
-    def squared_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
+    def squared_norm(self, params: list[nn.Parameter],
+                     weights: dict[int, float] | None = None) -> torch.Tensor:
         """Σ g² over the whole model's gradients: shards summed over the tp group (kv
-        replicas counted once), the rest once (every tp rank holds the same)."""
+        replicas counted once), the rest once (every tp rank holds the same); each
+        parameter's term times `weights[id(param)]` (default 1)."""
+        weights = weights or {}
         shards = {id(p): name for name, p in self.local.items()}
         split = torch.zeros((), dtype=torch.float64)
         whole = torch.zeros((), dtype=torch.float64)
         for p in params:
             if p.grad is None:
                 continue
-            sq = p.grad.detach().double().pow(2).sum()
+            sq = p.grad.detach().double().pow(2).sum() * weights.get(id(p), 1.0)
             if id(p) in shards:
                 spec = self.specs[shards[id(p)]]
                 split = split + sq * spec.ways / self.tp

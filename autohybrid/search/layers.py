@@ -3,7 +3,9 @@
 A layer is a run of consecutive graph nodes that come from one entry of a ModuleList
 (`model.blocks.7`) or one top-level child module (`model.wte`, `model.lm_head`). Glue
 nodes of the model's own forward (position ids, the embedding sum) and the loss join the
-neighbouring layer. Layers with the same structure (same ops, shapes and wiring, other
+neighbouring layer; a module that runs again after other layers (one activation module
+shared by every block) names each later run `name#2`, `name#3`, … so that layer names,
+which stage boundaries use, are unique. Layers with the same structure (same ops, shapes and wiring, other
 parameter names) share a `signature`, so a 96-block GPT is costed as a handful of
 distinct layers.
 
@@ -89,8 +91,13 @@ def segment(gm: fx.GraphModule) -> list[Layer]:
             pending = []
     if pending:
         merged.append(("loss", pending))
-    return [Layer(name=key, nodes=tuple(nodes), signature=_signature(nodes))
-            for key, nodes in merged]
+    seen: dict[str, int] = {}
+    layers = []
+    for key, nodes in merged:  # a module used again later (a shared activation) gets #2, …
+        seen[key] = seen.get(key, 0) + 1
+        name = key if seen[key] == 1 else f"{key}#{seen[key]}"
+        layers.append(Layer(name=name, nodes=tuple(nodes), signature=_signature(nodes)))
+    return layers
 
 
 def _signature(nodes: list[fx.Node]) -> str:

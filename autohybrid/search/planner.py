@@ -2,7 +2,8 @@
 
 Pure functions of (model profile, cluster, options): the same inputs give the same Plan
 on every rank. The space is the mesh (tp inside a node, pp, dp), sequence parallelism,
-microbatch size, pipeline schedule (and interleaving depth), recomputation and ZeRO stage.
+microbatch size, pipeline schedule (and its virtual stages per rank: every schedule of
+torch.distributed.pipelining that can run the layout), recomputation and ZeRO stage.
 Pruning: for each ZeRO stage, more recomputation is only tried when less does not fit
 (it only adds time); layer times and the stage split are cached per microbatch shape. Candidates the
 runtime cannot execute are priced too (so `ah.plan` can show them) and marked;
@@ -19,12 +20,17 @@ from typing import Callable, Iterator
 
 from ..cost.memory import usable_bytes
 from ..errors import NoPlanFitsError, NotExecutableError, PlanError
-from ..plan import Alternative, Constraints, Mesh, NodeSharding, Plan, RankPlacement
+from ..plan import (Alternative, Constraints, Mesh, NodeSharding, Plan, RankPlacement,
+                    schedule_problem)
 from .pricing import Layout, Priced, price
 from .space import ModelProfile
 
 #: Gradient bucket size when nothing pins it (PyTorch DDP's default).
 DEFAULT_BUCKET_MB = 25.0
+#: Virtual stages per rank tried for each pipeline schedule when none is pinned: the
+#: looped schedules gain bubble with depth but pay p2p per stage, so a few depths compete.
+VIRTUAL_STAGES = {"gpipe": (1,), "1f1b": (1,), "interleaved": (2, 4), "looped-bfs": (1, 2),
+                  "zero-bubble": (1, 2), "zbv": (2,), "dualpipev": (2,)}
 _GiB = 2**30
 log = logging.getLogger("autohybrid.search")
 
@@ -77,8 +83,10 @@ def search(profile: ModelProfile, cluster, request: PlanRequest,
     checker = _Executability(cluster, request, unsupported)
     if executable_only:
         _refuse_pinned_features(request.constraints, unsupported)
+    starts = _pinned_starts(profile, request.constraints)
     candidates: list[Candidate] = []
     skipped: list[str] = []
+    refused: list[str] = []  # runtime features missing, per layout
     progress = _Progress(start)
     cache: dict = {}
     for base in _layouts(profile, cluster, request, skipped):
@@ -86,21 +94,21 @@ def search(profile: ModelProfile, cluster, request: PlanRequest,
             for layout in levels:
                 reasons = checker.reasons(layout, profile)
                 if executable_only and reasons:
-                    skipped.append("; ".join(reasons))
+                    refused.append("; ".join(reasons))
                     continue
                 priced = price(profile, cluster, layout, request.seq, request.dtype,
                                request.graph_dtype_bytes, request.optimizer,
-                               request.global_batch, cache)
+                               request.global_batch, cache, stage_starts=starts)
                 candidates.append(Candidate(layout, priced, tuple(reasons)))
                 progress.tick(len(candidates))
                 if priced.fits:
                     break  # for this ZeRO stage, more recomputation only adds time
     progress.done()
     if not candidates:
-        if executable_only and skipped:
-            common = sorted(set.intersection(*(set(r.split("; ")) for r in skipped)))
+        if refused:
+            common = sorted(set.intersection(*(set(r.split("; ")) for r in refused)))
             raise NotExecutableError("the constraints ask for features the runtime cannot "
-                                     "execute yet: " + "; ".join(common or sorted(set(skipped))))
+                                     "execute yet: " + "; ".join(common or sorted(set(refused))))
         raise PlanError("no candidate plan satisfies the constraints "
                         f"{request.constraints.pinned()} on {cluster.describe()}: "
                         + ("; ".join(dict.fromkeys(skipped)) or "empty search space"))
@@ -154,7 +162,7 @@ def _layouts(profile: ModelProfile, cluster, request: PlanRequest,
                 mesh = Mesh(pp=pp, dp=dp, tp=tp, sp=sp)
                 for micro in _microbatch_sizes(local, pinned, skipped):
                     count = local // micro
-                    for schedule, virtual in _schedules(pp, count, blocks, pinned):
+                    for schedule, virtual in _schedules(pp, count, blocks, pinned, skipped):
                         yield Layout(mesh, micro, count, schedule, virtual, "none", 0, bucket)
 
 
@@ -199,25 +207,57 @@ def _microbatch_sizes(local: int, pinned: Constraints, skipped: list[str]) -> li
     return sorted(divisors(local), reverse=True)
 
 
-def _schedules(pp: int, count: int, blocks: int, pinned: Constraints):
+def _schedules(pp: int, count: int, blocks: int, pinned: Constraints,
+               skipped: list[str]) -> Iterator[tuple[str, int]]:
+    """(schedule, virtual stages) pairs torch can run for pp ranks and `count` microbatches
+    over `blocks` layers; a pinned choice that cannot run says why in `skipped`."""
     if pp == 1:
-        if pinned.schedule not in (None, "none") or (pinned.virtual_stages or 1) > 1:
-            yield pinned.schedule or "none", pinned.virtual_stages or 1  # priced as pp=1
-        else:
-            yield "none", 1
-        return
-    names = [pinned.schedule] if pinned.schedule else ["1f1b", "interleaved", "zero-bubble",
-                                                       "gpipe"]
-    for name in names:
-        if name in ("1f1b", "zero-bubble", "interleaved") and count < pp:
-            continue  # steady state needs at least one microbatch per stage
-        if name == "interleaved":
-            chunks = [pinned.virtual_stages] if pinned.virtual_stages else [2, 4]
-            for v in chunks:
-                if blocks >= pp * v and count % pp == 0:
-                    yield name, v
-        else:
-            yield name, 1
+        choices = [(pinned.schedule or "none", pinned.virtual_stages or 1)]
+    else:
+        names = [pinned.schedule] if pinned.schedule else list(VIRTUAL_STAGES)
+        choices = [(name, v) for name in names
+                   for v in ([pinned.virtual_stages] if pinned.virtual_stages
+                             else VIRTUAL_STAGES.get(name, (1,)))]
+    for name, v in choices:
+        problem = _schedule_problem(name, pp, v, count, blocks, pinned)
+        if problem is None:
+            yield name, v
+        elif pinned.schedule or pinned.virtual_stages or pinned.stage_boundaries is not None:
+            skipped.append(problem)
+
+
+def _schedule_problem(schedule: str, pp: int, v: int, count: int, blocks: int,
+                      pinned: Constraints) -> str | None:
+    """Why (schedule, v) cannot run here: torch's limits, too few layers for its stages, or
+    a pinned stage split of another length (None: it can)."""
+    problem = schedule_problem(schedule, pp, v, count)
+    if problem is None and pp * v > blocks:
+        problem = f"pp={pp} × virtual_stages={v} stages do not fit {blocks} layers"
+    cuts = pinned.stage_boundaries
+    if problem is None and cuts is not None and len(cuts) != pp * v - 1:
+        problem = (f"Constraints.stage_boundaries names {len(cuts)} boundaries, but pp={pp} × "
+                   f"virtual_stages={v} = {pp * v} stages need {pp * v - 1}")
+    return problem
+
+
+def _pinned_starts(profile: ModelProfile, pinned: Constraints) -> tuple[int, ...] | None:
+    """First layer of every stage of `Constraints.stage_boundaries` (None: not pinned);
+    PlanError when a name is not a layer of the model or not after the one before it."""
+    if pinned.stage_boundaries is None:
+        return None
+    names = [layer.name for layer in profile.layers]
+    starts = [0]
+    for name in pinned.stage_boundaries:
+        if name not in names:
+            shown = ", ".join(names if len(names) <= 8 else [*names[:4], "…", *names[-3:]])
+            raise PlanError(f"Constraints.stage_boundaries: {name!r} is not a layer of the "
+                            f"model (its layers: {shown})")
+        if name not in names[starts[-1] + 1:]:
+            raise PlanError(f"Constraints.stage_boundaries must name layers in model order, "
+                            f"each after the one before it (the first stage starts at "
+                            f"{names[0]!r}); {name!r} is not after {names[starts[-1]]!r}")
+        starts.append(names.index(name, starts[-1] + 1))
+    return tuple(starts)
 
 
 def _variants(base: Layout, pinned: Constraints) -> Iterator[list[Layout]]:
@@ -278,6 +318,10 @@ class _Executability:
             reasons = list(self.unsupported(plan))
             if self.request.has_batch_norm and layout.num_microbatches > 1:
                 reasons.append("microbatching a model with BatchNorm changes its statistics")
+            if self.request.has_batch_norm and layout.mesh.pp > 1:
+                reasons.append("pipeline parallelism of a model with BatchNorm in training "
+                               "mode (its running statistics are buffers the stages would "
+                               "mutate)")
             self._reasons[key] = reasons
         return self._reasons[key]
 
@@ -299,11 +343,8 @@ def _plan_for(layout: Layout, request: PlanRequest, cluster, cluster_hash: str,
 
 def _make_plan(best: Candidate, profile: ModelProfile, cluster, request: PlanRequest,
                placement, cluster_hash: str) -> Plan:
-    pinned = request.constraints
-    if pinned.stage_boundaries:
-        boundaries = tuple(pinned.stage_boundaries)
-    else:
-        boundaries = tuple(profile.layers[s].name for s in best.priced.stage_starts[1:])
+    # the pp × v − 1 first layers of stages 1.. (the pinned ones when pinned: priced so)
+    boundaries = tuple(profile.layers[s].name for s in best.priced.stage_starts[1:])
     plan = _plan_for(best.layout, request, cluster, cluster_hash, placement, boundaries)
     return replace(plan, predicted=best.priced.prediction, executable=best.executable,
                    not_executable_because=best.unsupported,

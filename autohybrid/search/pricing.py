@@ -2,23 +2,28 @@
 
 A layout is (pp, dp, tp, sp, microbatch size, microbatches, schedule, virtual stages,
 recompute, ZeRO). The model's layers (search/space.py) are costed once per microbatch
-shape; stages are cut by search/stages.py on those costs; the step time follows the
-schedule formulas of `shared/reference/hardware_and_formulas.md`:
+shape; search/stages.py cuts them into pp × v stages, which the schedule places on the pp
+ranks (`plan.stage_ranks`: looped s mod pp, or V-shaped). A rank's time per microbatch is
+the sum of its stages; the slowest rank sets the pace. The step time follows
+`shared/reference/hardware_and_formulas.md`:
 
-    step = (m + bubble) · slowest stage  +  pipeline p2p  +  exposed dp gradient sync
+    step = (m + bubble) · slowest rank  +  pipeline p2p  +  exposed dp gradient sync
            + optimizer update
 
-with bubble p−1 (GPipe, 1F1B), (p−1)/v (interleaved) or (p−1)·t_f/t (zero-bubble, ZB-H1).
+with the bubble of `bubble` (p−1 for GPipe and 1F1B, (p−1)/v interleaved, less for the
+zero-bubble schedules) and the activations in flight of `in_flight`.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from itertools import accumulate
+from dataclasses import dataclass, fields, replace
+from typing import Sequence
 
 from ..cost import comm
 from ..cost.compute import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
 from ..cost.memory import dtype_bytes, training_state, usable_bytes
-from ..plan import MemoryBreakdown, Mesh, Prediction
+from ..plan import MemoryBreakdown, Mesh, Prediction, stage_ranks
 from .space import LayerProfile, ModelProfile, split_ways
 from .stages import partition
 
@@ -90,6 +95,11 @@ class LayerTimes:
     saved: float          # bytes kept for backward per microbatch
     recompute_saved: float  # bytes kept with full recomputation (the layer's input)
 
+    @property
+    def total(self) -> float:
+        """Time of one microbatch through the layer, forward and backward."""
+        return self.forward + self.backward + self.recompute + self.tp_comm
+
 
 def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
                 dtype: str, graph_dtype_bytes: int, attention: str = "flash",
@@ -138,38 +148,170 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
     return LayerTimes(forward, 2 * forward, recompute, tp_comm, saved, kept)
 
 
-def in_flight(layout: Layout) -> float:
-    """Microbatches whose activations stage 0 holds at once under the schedule."""
-    p, m, v = layout.mesh.pp, layout.num_microbatches, layout.virtual_stages
+@dataclass(frozen=True)
+class Split:
+    """The pp × v stages of a layout and, per pp rank, the stages and layers it runs."""
+
+    starts: tuple[int, ...]                          # first layer of each stage
+    placement: tuple[int, ...]                       # pp rank of each stage (stage_ranks)
+    ranges: tuple[tuple[tuple[int, int], ...], ...]  # per rank: [first, end) of its stages
+    sums: tuple[LayerTimes, ...]   # per rank: its layers' times and bytes, summed
+    working: tuple[float, ...]     # per rank: the most bytes one of its layers saves
+
+    @classmethod
+    def of(cls, times: Sequence[LayerTimes], starts: Sequence[int],
+           placement: Sequence[int]) -> "Split":
+        bounds = [*starts, len(times)]
+        ranges = tuple(tuple((bounds[s], bounds[s + 1]) for s, r in enumerate(placement)
+                             if r == rank) for rank in range(max(placement) + 1))
+        per_rank = [[x for first, end in spans for x in times[first:end]] for spans in ranges]
+        sums = tuple(LayerTimes(*(sum(getattr(x, f.name) for x in layers)
+                                  for f in fields(LayerTimes))) for layers in per_rank)
+        working = tuple(max(x.saved for x in layers) for layers in per_rank)
+        return cls(tuple(starts), tuple(placement), ranges, sums, working)
+
+    @property
+    def loads(self) -> list[float]:
+        """Each rank's time per microbatch."""
+        return [rank.total for rank in self.sums]
+
+
+def stage_split(times: Sequence[LayerTimes], placement: tuple[int, ...],
+                starts: tuple[int, ...] | None, cache: dict, shape: tuple) -> Split:
+    """The pinned `starts`, else stages balanced by `partition` (cached per stage count and
+    shape: several placements share it) and, where a rank runs several, rank-balanced."""
+    key = ("split", placement, starts, *shape)
+    if key not in cache:
+        costs = [x.total for x in times]
+        if starts is None:
+            balanced = ("partition", len(placement), *shape)
+            if balanced not in cache:
+                cache[balanced] = partition(costs, len(placement))[0]
+            starts = cache[balanced]
+            if len(placement) > max(placement) + 1:
+                starts = balance_ranks(costs, starts, placement)
+        elif len(starts) != len(placement):
+            raise ValueError(f"{len(starts)} stage starts for {len(placement)} stages")
+        cache[key] = Split.of(times, starts, placement)
+    return cache[key]
+
+
+def balance_ranks(costs: Sequence[float], starts: Sequence[int],
+                  placement: Sequence[int]) -> tuple[int, ...]:
+    """`starts` with boundaries moved one layer at a time while that lowers the ranks'
+    loads (compared largest first). `partition` balances the stages, but a rank running
+    several stages (looped, V-shaped) is paced by their sum: in a V the first and the last
+    stage share rank 0. A local search: each move strictly lowers the sorted loads, so it
+    ends; it need not reach the best split."""
+    prefix = [0.0, *accumulate(float(c) for c in costs)]
+    bounds = [*starts, len(costs)]
+    stage = [prefix[bounds[s + 1]] - prefix[bounds[s]] for s in range(len(starts))]
+    loads = [0.0] * (max(placement) + 1)
+    for s, rank in enumerate(placement):
+        loads[rank] += stage[s]
+    best = sorted(loads, reverse=True)
+    moved = True
+    while moved:
+        moved = False
+        for k in range(1, len(starts)):
+            for step in (-1, 1):
+                cut = bounds[k] + step
+                if not bounds[k - 1] < cut < bounds[k + 1]:
+                    continue  # every stage keeps a layer
+                shift = prefix[cut] - prefix[bounds[k]]  # cost moving from stage k to k-1
+                trial = loads.copy()
+                trial[placement[k - 1]] += shift
+                trial[placement[k]] -= shift
+                if sorted(trial, reverse=True) < best:
+                    bounds[k], loads, best, moved = cut, trial, sorted(trial, reverse=True), True
+    return tuple(bounds[:-1])
+
+
+def in_flight(layout: Layout, rank: int = 0) -> float:
+    """Microbatches whose activations pp rank `rank` holds at once, counted in units of one
+    microbatch through all of the rank's stages.
+
+    GPipe and looped BFS (Lamy-Poirier 2023) run every microbatch forward before the first
+    backward: m. 1F1B: p − rank. Interleaved (v ≥ 2; also the interleaved zero-bubble
+    schedule, whose deferred weight gradients keep 1F1B's peak): Megatron-LM's warm-up of
+    2(p − rank − 1) + (v − 1)p + 1 stage-microbatches, i.e. p + (p − 1 − 2·rank)/v per rank
+    (p + (p−1)/v on rank 0, Korthikanti et al.). V-shaped, balanced over the ranks: ZB-V
+    holds 1F1B's p (Qi et al. 2024); DualPipeV PP + 1 = 2p + 1 stage-microbatches, p + ½
+    (DeepSeek-V3 report, table 2, DualPipe README).
+    """
+    p, m, v, schedule = layout.mesh.pp, layout.num_microbatches, layout.virtual_stages, \
+        layout.schedule
     if p == 1:
         return 1.0
-    if layout.schedule == "gpipe":
+    if schedule in ("gpipe", "looped-bfs"):
         return float(m)
-    if layout.schedule == "interleaved":
-        return min(float(m), p * (1 + (p - 1) / (p * v)))
-    return float(min(m, p))
+    if schedule == "zbv":
+        flight = float(p)
+    elif schedule == "dualpipev":
+        flight = p + 0.5
+    elif schedule in ("interleaved", "zero-bubble") and v > 1:
+        flight = p + (p - 1 - 2 * rank) / v
+    else:
+        flight = float(p - rank)
+    return max(1.0, min(float(m), flight))
 
 
-def bubble(layout: Layout, forward_share: float) -> float:
-    """Idle time of the pipeline, in units of one microbatch's stage time."""
-    p, v = layout.mesh.pp, layout.virtual_stages
-    if p == 1:
+def bubble(layout: Layout, slowest: LayerTimes) -> float:
+    """Idle time of the pipeline, in units of one microbatch's time on the slowest rank.
+
+    `slowest` sums that rank's layers: per microbatch forward t_f, backward t_b (with the
+    recomputation it needs) and weight-gradient share t_w = backward / 2 (the backward
+    splits evenly into input and weight gradients); t = t_f + t_b + tp communication.
+    With p ranks and v stages per rank (a stage takes t / v):
+
+    - GPipe, 1F1B: p − 1 (Narayanan et al. 2021).
+    - interleaved 1F1B, looped BFS: (p − 1) / v (Narayanan et al.; Lamy-Poirier 2023).
+    - interleaved zero bubble (ZB-H1 per stage): (p − 1)(t_f + t_b − 2t_w) / (v·t)
+      (Qi et al., ICLR 2024; ZB1P of the DeepSeek-V3 report, table 2).
+    - ZB-V: (p − 1)·max(0, t_f + t_b − 3t_w) / (v·t), i.e. ZB-H2's (p−1)(T_F + T_B − 2T_W)
+      per stage with T_B = t_b − t_w the input gradient (Qi et al.): zero without
+      recomputation when t_b = 2t_f.
+    - DualPipeV: (PP/2 − 1)(F&B + B − 3W) per stage with PP = 2p stages (DeepSeek-V3
+      report, table 2; DualPipe README); with F&B = F + B (no compute/communication
+      overlap is modelled): (p − 1)(t_f + 2t_b − 3t_w) / (v·t).
+
+    These assume enough microbatches to fill the pipeline. With fewer, one microbatch's
+    trip bounds the step: forward and backward through all p ranks (p·t), of which the
+    zero-bubble schedules defer all weight gradients but the last stage's
+    ((p·(t − t_w) + t_w/v) / t); the bubble is at least that trip less m.
+    """
+    p, v, m, schedule = layout.mesh.pp, layout.virtual_stages, layout.num_microbatches, \
+        layout.schedule
+    t = slowest.total
+    if p == 1 or not t:
         return 0.0
-    if layout.schedule == "interleaved":
-        return (p - 1) / v
-    if layout.schedule == "zero-bubble":
-        return (p - 1) * forward_share
-    return float(p - 1)
+    t_f, t_b, t_w = slowest.forward, slowest.backward + slowest.recompute, slowest.backward / 2
+    per_stage = (p - 1) / v
+    trip = float(p)
+    if schedule in ("interleaved", "looped-bfs"):
+        idle = per_stage
+    elif schedule == "zero-bubble":
+        idle = per_stage * (t_f + t_b - 2 * t_w) / t
+    elif schedule == "zbv":
+        idle = per_stage * max(0.0, t_f + t_b - 3 * t_w) / t
+    elif schedule == "dualpipev":
+        idle = per_stage * (t_f + 2 * t_b - 3 * t_w) / t
+    else:
+        idle = float(p - 1)
+    if schedule in ("zero-bubble", "zbv", "dualpipev"):
+        trip = (p * (t - t_w) + t_w / v) / t
+    return max(idle, trip - m)
 
 
 def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype: str,
           graph_dtype_bytes: int, optimizer: str, global_batch: int,
           cache: dict | None = None, attention: str = "flash",
-          tp_overlap: float = 0.0) -> Priced:
+          tp_overlap: float = 0.0, stage_starts: tuple[int, ...] | None = None) -> Priced:
     """Predict `layout`; `cache` (any dict, kept across calls) reuses layer times and splits.
 
     `tp_overlap` is the share of tensor-parallel communication hidden behind compute (0 for
     autohybrid's runtime today; `TP_OVERLAP_MEGATRON_CORE` for runs that overlap it).
+    `stage_starts` pins the first layer of each of the pp × v stages (None: balanced).
     """
     cache = {} if cache is None else cache
     if "links" not in cache:
@@ -184,52 +326,25 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
             cache[key] = layer_times(layer, cluster, layout, seq, dtype, graph_dtype_bytes,
                                      attention, tp_overlap, profile.kv_heads, profile.vocab)
         times.append(cache[key])
-    per_layer = [x.forward + x.backward + x.recompute + x.tp_comm for x in times]
-    split_key = ("split", mesh.pp, *shape)
-    if split_key not in cache:
-        cache[split_key] = partition(per_layer, mesh.pp)
-    starts, slowest = cache[split_key]
-    bounds = [*starts, len(times)]
-    stages = [times[bounds[k]:bounds[k + 1]] for k in range(mesh.pp)]
-    layers = [profile.layers[bounds[k]:bounds[k + 1]] for k in range(mesh.pp)]
-    forward_share = max(sum(x.forward for x in s) for s in stages) / slowest if slowest else 0.0
+    placement = stage_ranks(layout.schedule, mesh.pp, layout.virtual_stages)
+    stages = stage_split(times, placement, stage_starts, cache, shape)
+    loads = stages.loads
+    slowest = max(loads)
     m = layout.num_microbatches
-    idle = bubble(layout, forward_share)
+    idle = bubble(layout, stages.sums[loads.index(slowest)])
     compute = (m + idle) * slowest
-    activation = _boundary_bytes(times, bounds, layout)
-    p2p = 0.0
-    if mesh.pp > 1:
-        pair = [0, mesh.dp * mesh.tp]  # neighbouring stages' ranks (placement order)
-        hops = (m + mesh.pp - 1) * layout.virtual_stages
-        p2p = 2 * hops * comm.send_recv(cluster, pair, activation)
-    params, tensors = [], 0
-    for k in range(mesh.pp):
-        key = ("params", bounds[k], bounds[k + 1], mesh.tp)
-        if key not in cache:
-            names = {name for layer in layers[k] for name, _, _ in layer.params}
-            cache[key] = (profile.local_params(layers[k], mesh.tp), len(names))
-        params.append(cache[key][0])
-        tensors = max(tensors, cache[key][1])  # parameter tensors of the largest stage
-    memories, grad_sync, exposed = [], 0.0, 0.0
-    for k in range(mesh.pp):
-        memory = _stage_memory(params[k], stages[k], layout, dtype, optimizer, k)
-        memories.append(memory)
-        grad_bytes = params[k] * dtype_bytes(dtype)
-        sync = _dp_sync(cluster, layout, grad_bytes)
-        backward = sum(x.backward for x in stages[k])
-        buckets = max(1, math.ceil(grad_bytes / (layout.bucket_mb * 2**20)))
-        hidden = backward * (buckets - 1) / buckets
-        grad_sync = max(grad_sync, sync)
-        exposed = max(exposed, max(sync - hidden, sync / buckets) if sync else 0.0)
-    worst = max(memories, key=lambda mem: mem.total)
-    params_local = max(params)
+    p2p = _p2p(cluster, layout, stages, times, m)
+    held = _held(profile, stages, shape, cache)
+    params_local, tensors = max(held.params), held.tensors
+    worst, grad_sync, exposed = _ranks_memory_and_sync(cluster, layout, stages, held, dtype,
+                                                       optimizer)
     update = params_local / (mesh.dp if layout.zero else 1) * OPTIMIZER_BYTES_PER_PARAM \
         / (cluster.device.memory_bandwidth * MEMORY_EFFICIENCY)
     if cluster.cluster.device_type != "cpu":
         tensors = 1  # foreach: one launch per op over every tensor
     update += tensors * OPTIMIZER_OPS_PER_TENSOR[optimizer] * cluster.device.launch_overhead_s
     step = compute + p2p + exposed + update
-    tp_total = m * max(sum(x.tp_comm for x in s) for s in stages)  # on the slowest stage
+    tp_total = m * max(rank.tp_comm for rank in stages.sums)
     peak = cluster.device.peak_flops.get(dtype) or max(cluster.device.peak_flops.values())
     if "model_flops" not in cache:
         cache["model_flops"] = profile.step_flops(1, seq)
@@ -242,17 +357,89 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
         memory_per_rank_bytes=worst.total, device_memory_bytes=cluster.device.memory_bytes,
         memory=worst)
     fits = worst.total <= usable_bytes(cluster.device.memory_bytes)
-    return Priced(prediction, tuple(starts), fits)
+    return Priced(prediction, stages.starts, fits)
 
 
-def _boundary_bytes(times: list[LayerTimes], bounds: list[int], layout: Layout) -> float:
-    """Bytes one microbatch sends across a stage boundary (the next layer's input)."""
-    sizes = [times[b].recompute_saved for b in bounds[1:-1]]
-    return max(sizes) if sizes else 0.0
+@dataclass(frozen=True)
+class Held:
+    """What the pp ranks of a split hold: parameters per rank (one tp rank's share), the
+    most parameter tensors on one rank, and the first rank of each group of ranks running
+    the same work: it stands for the group, whose microbatches in flight never grow with
+    the rank (`in_flight`)."""
+
+    params: tuple[float, ...]
+    tensors: int
+    distinct: tuple[int, ...]
+
+
+def _held(profile: ModelProfile, stages: Split, shape: tuple, cache: dict) -> Held:
+    key = ("held", stages.starts, stages.placement, *shape)
+    if key not in cache:
+        tp = shape[1]
+        per_rank = [_rank_params(profile, spans, tp, cache) for spans in stages.ranges]
+        params = tuple(local for local, _ in per_rank)
+        first: dict[tuple, int] = {}
+        for rank, work in enumerate(zip(params, stages.sums, stages.working)):
+            first.setdefault(work, rank)
+        cache[key] = Held(params, max(count for _, count in per_rank),
+                          tuple(first.values()))
+    return cache[key]
+
+
+def _rank_params(profile: ModelProfile, ranges: tuple[tuple[int, int], ...], tp: int,
+                 cache: dict) -> tuple[float, int]:
+    """(parameters one tp rank of a pp rank holds, its parameter tensors) for the stages
+    in `ranges`: a parameter tied between two stages of the rank is held once."""
+    key = ("params", ranges, tp)
+    if key not in cache:
+        layers = [layer for first, end in ranges for layer in profile.layers[first:end]]
+        names = {name for layer in layers for name, _, _ in layer.params}
+        cache[key] = (profile.local_params(layers, tp), len(names))
+    return cache[key]
+
+
+def _p2p(cluster, layout: Layout, stages: Split, times: list[LayerTimes], m: int) -> float:
+    """Pipeline sends on the critical path: every microbatch's activation forward and its
+    gradient backward, (m + p − 1) times as many as the busiest rank sends per microbatch
+    (a V-shaped schedule's turn stays on its rank)."""
+    mesh = layout.mesh
+    if mesh.pp == 1:
+        return 0.0
+    placement = stages.placement
+    crossing = [s for s in range(1, len(placement)) if placement[s] != placement[s - 1]]
+    sends = [0] * mesh.pp
+    for s in crossing:
+        sends[placement[s - 1]] += 1
+    activation = max((times[stages.starts[s]].recompute_saved for s in crossing), default=0.0)
+    pair = [0, mesh.dp * mesh.tp]  # neighbouring stages' ranks (placement order)
+    hops = (m + mesh.pp - 1) * max(sends)
+    return 2 * hops * comm.send_recv(cluster, pair, activation)
+
+
+def _ranks_memory_and_sync(cluster, layout: Layout, stages: Split, held: Held, dtype: str,
+                           optimizer: str) -> tuple[MemoryBreakdown, float, float]:
+    """(memory of the most loaded rank, slowest dp gradient sync, most exposed part of it).
+
+    The sync of a rank's gradients overlaps its backward in buckets: all but the last
+    bucket hide behind the backward of the layers after them."""
+    worst, grad_sync, exposed = None, 0.0, 0.0
+    for rank in held.distinct:
+        local, sums = held.params[rank], stages.sums[rank]
+        state = training_state(local, dtype, optimizer, layout.zero, layout.mesh.dp)
+        memory = _rank_memory(state, sums, stages.working[rank], layout, rank)
+        if worst is None or memory.total > worst.total:
+            worst = memory
+        grad_bytes = local * dtype_bytes(dtype)
+        sync = _dp_sync(cluster, layout, grad_bytes)
+        buckets = max(1, math.ceil(grad_bytes / (layout.bucket_mb * 2**20)))
+        hidden = sums.backward * (buckets - 1) / buckets
+        grad_sync = max(grad_sync, sync)
+        exposed = max(exposed, max(sync - hidden, sync / buckets) if sync else 0.0)
+    return worst, grad_sync, exposed
 
 
 def _dp_sync(cluster, layout: Layout, nbytes: float) -> float:
-    """Gradient synchronization of one stage's `nbytes` of gradients over its dp group."""
+    """Gradient synchronization of one rank's `nbytes` of gradients over its dp group."""
     mesh = layout.mesh
     if mesh.dp == 1:
         return 0.0
@@ -265,17 +452,14 @@ def _dp_sync(cluster, layout: Layout, nbytes: float) -> float:
     return comm.all_reduce(cluster, ranks, nbytes)
 
 
-def _stage_memory(local: float, times: list[LayerTimes], layout: Layout, dtype: str,
-                  optimizer: str, stage: int) -> MemoryBreakdown:
-    """Bytes on a rank of `stage` that holds `local` parameters (after tp)."""
-    mesh = layout.mesh
-    state = training_state(local, dtype, optimizer, layout.zero, mesh.dp)
+def _rank_memory(state: MemoryBreakdown, sums: LayerTimes, working: float, layout: Layout,
+                 rank: int) -> MemoryBreakdown:
+    """Bytes on pp rank `rank`: its training `state` and the activations of its layers
+    (`sums`) for the microbatches in flight; with full recomputation only the layers'
+    inputs are kept, and one layer's activations (`working`) are rebuilt at a time."""
     if layout.recompute == "full":
-        per_microbatch = sum(x.recompute_saved for x in times)
-        working = max((x.saved for x in times), default=0.0)
+        per_microbatch = sums.recompute_saved
     else:
-        per_microbatch = sum(x.saved for x in times)
-        working = 0.0
-    flight = in_flight(layout) if stage == 0 else max(1.0, in_flight(layout) - stage)
-    activations = per_microbatch * flight + working
+        per_microbatch, working = sums.saved, 0.0
+    activations = per_microbatch * in_flight(layout, rank) + working
     return replace(state, activations=int(activations))

@@ -1,0 +1,291 @@
+"""Runs this rank's pipeline stages with torch.distributed.pipelining's schedules.
+
+The pipeline_split pass cut the rank-local graph into `StageGraph`s; this module wraps
+the ones this rank runs (Plan.stage_ranks: one, or v looped, or two V-shaped) as
+`PipelineStage`s and drives them with the Plan's schedule:
+
+    gpipe → ScheduleGPipe              1f1b → Schedule1F1B
+    interleaved → ScheduleInterleaved1F1B   looped-bfs → ScheduleLoopedBFS
+    zero-bubble → ScheduleInterleavedZeroBubble
+    zbv → ScheduleZBVZeroBubble        dualpipev → ScheduleDualPipeV
+
+Stages are built in torch's static mode: their input and output shapes per microbatch
+come from the split's symbolic shapes evaluated at the batch's sizes, so nothing runs to
+infer them (a shape inference run would draw random numbers and issue tp collectives).
+They are rebuilt when a batch brings new microbatch shapes.
+
+The loss: the last stage returns the loss numerator and denominator of its microbatch
+(passes/global_loss.py). The schedule back-propagates the numerator unscaled
+(scale_grads=False); after the step the numerator and denominator totals are summed over
+the pp group (only the last stage has them) and the dp group, the gradients of parameters
+that several stages read (tied embedding and output weights) are summed over the ranks
+holding those stages, and the dp reducer sums the gradients over dp and scales them by
+1 / Σ denominators: exactly the gradients of eager's loss on the whole batch.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import sympy
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed import pipelining as tpp
+
+from ..capture import CapturedGraph
+from ..errors import AutohybridError
+from ..graph import VAL
+from ..passes.pipeline_split import PipelineSplit, StageGraph
+from ..plan import Plan
+
+SCHEDULE_CLASSES = {
+    "gpipe": tpp.ScheduleGPipe,
+    "1f1b": tpp.Schedule1F1B,
+    "interleaved": tpp.ScheduleInterleaved1F1B,
+    "looped-bfs": tpp.ScheduleLoopedBFS,
+    "zero-bubble": tpp.ScheduleInterleavedZeroBubble,
+    "zbv": tpp.ScheduleZBVZeroBubble,
+    "dualpipev": tpp.ScheduleDualPipeV,
+}
+_MULTI_STAGE = ("interleaved", "looped-bfs", "zero-bubble", "zbv", "dualpipev")
+
+
+class StageModule(nn.Module):
+    """One stage graph as the nn.Module a PipelineStage drives.
+
+    forward(*received, **batch): `received` are the previous stage's values (the first
+    stage: the model's inputs), `batch` the microbatch's inputs and targets as `b0, b1, …`.
+    Its parameters are registered, so `parameters()` (used by the zero-bubble schedules'
+    split backward) yields exactly what the stage reads.
+    """
+
+    def __init__(self, stage: StageGraph, state_args: Sequence[Any], batch_base: int,
+                 is_last: bool):
+        super().__init__()
+        self.graph_module = stage.gm
+        self.is_last = is_last
+        self._local: list[tuple[str, Any]] = []
+        for i in stage.local_placeholders:
+            if i < batch_base:
+                value = state_args[i]
+                if isinstance(value, nn.Parameter):
+                    name = f"p{len(self._parameters)}"
+                    if not any(value is p for p in self._parameters.values()):
+                        self.register_parameter(name, value)
+                self._local.append(("state", value))
+            else:
+                self._local.append(("batch", f"b{i - batch_base}"))
+
+    def forward(self, *received: torch.Tensor, **batch: torch.Tensor) -> tuple:
+        args = [*received] + [v if kind == "state" else batch[v] for kind, v in self._local]
+        outs = tuple(self.graph_module(*args))
+        if self.is_last:
+            return outs
+        # sent tensors must be contiguous (the receive buffers are) and not views (the
+        # zero-bubble backward detaches stage outputs in place); a value forwarded to a
+        # later stage is a new tensor, not this stage's input
+        received_ids = {id(t) for t in received}
+        return tuple(t.clone(memory_format=torch.contiguous_format)
+                     if t._is_view() or id(t) in received_ids else t.contiguous() for t in outs)
+
+
+class PipelineRunner:
+    """This rank's stages and the schedule over them (one per microbatch shape)."""
+
+    def __init__(self, plan: Plan, split: PipelineSplit, program: CapturedGraph,
+                 state: dict[str, torch.Tensor], pp_rank: int,
+                 pp_group: dist.ProcessGroup | None, device: torch.device,
+                 shared_groups: dict[str, dist.ProcessGroup] | None = None):
+        self.plan, self.split, self.program, self.state = plan, split, program, state
+        self.shared_groups = shared_groups or {}
+        self.pp_rank, self.pp_group, self.device = pp_rank, pp_group, device
+        ranks = plan.stage_ranks()
+        self.stage_ids = [s for s, r in enumerate(ranks) if r == pp_rank]
+        state_args = program.flat_args(state, (), ())
+        self.batch_base = len(state_args)
+        last = plan.num_stages - 1
+        self.modules = {s: StageModule(split.stages[s], state_args, self.batch_base, s == last)
+                        for s in self.stage_ids}
+        self.has_last = last in self.stage_ids
+        self._schedules: dict[tuple, Any] = {}
+        self._denominators: list[torch.Tensor] = []
+        self._outputs = (program.user_outputs[0], program.user_outputs[-1])
+        #: dtype of the loss the last stage computes (known on every rank)
+        self.loss_dtype = split.stages[last].sent_vals[self._outputs[0]].dtype
+
+    def parameter_names(self) -> list[str]:
+        """Canonical names of the parameters this rank's stages read."""
+        names = [n for s in self.stage_ids for n in self.split.stages[s].params]
+        return list(dict.fromkeys(names))
+
+    def sum_shared_grads(self) -> None:
+        """Sum the gradients of parameters read by stages on several pp ranks (tied
+        embedding and output weights) over those ranks: each holds its stages' part."""
+        for name, group in self.shared_groups.items():
+            param = self.state[name]
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, group=group)
+
+    # ------------------------------------------------------------------ schedules
+    def _loss(self, output: tuple, target: Any) -> torch.Tensor:
+        numerator, denominator = (output[i] for i in self._outputs)
+        self._denominators.append(denominator.detach())
+        return numerator
+
+    def _schedule(self, micro: list[list[torch.Tensor]]):
+        key = tuple((tuple(t.shape), t.dtype) for t in micro[0])
+        if key not in self._schedules:
+            self._schedules[key] = self._build(micro[0])
+        return self._schedules[key]
+
+    def _build(self, first: list[torch.Tensor]):
+        env = _symbol_values(self.program, self.split, first)
+        stages = []
+        for s in self.stage_ids:
+            graph = self.split.stages[s]
+            if s == 0:
+                inputs = tuple(first[: len(self.split.input_placeholders)])
+            else:
+                previous = self.split.stages[s - 1]
+                inputs = _metas(graph.received_vals, previous.sent_requires_grad, env)
+            outputs = _metas(graph.sent_vals, graph.sent_requires_grad, env)
+            stages.append(tpp.PipelineStage(
+                self.modules[s], s, self.plan.num_stages, self.device, input_args=inputs,
+                output_args=outputs, group=self.pp_group))
+        cls = SCHEDULE_CLASSES[self.plan.schedule]
+        m = self.plan.num_microbatches
+        if self.plan.schedule in _MULTI_STAGE:
+            return cls(stages, n_microbatches=m, loss_fn=self._loss, scale_grads=False)
+        return cls(stages[0], n_microbatches=m, loss_fn=self._loss, scale_grads=False)
+
+    # ------------------------------------------------------------------ running
+    def forward_backward(self, inputs: Sequence[torch.Tensor],
+                         targets: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One schedule step on this rank's batch; (Σ numerators, Σ denominators) of the
+        microbatches on the last stage's rank, zeros elsewhere."""
+        batch = [*inputs, *targets]
+        micro = self._microbatches(batch)
+        schedule = self._schedule(micro)
+        self._denominators = []
+        losses: list[torch.Tensor] = []
+        kwargs = {f"b{j}": t for j, t in enumerate(batch)}
+        dummy = torch.zeros(batch[0].shape[0], device=self.device)  # the loss reads no target
+        schedule.step(*inputs, target=dummy, losses=losses, return_outputs=False, **kwargs)
+        if self.has_last:
+            numerator = torch.stack([l.detach().double() for l in losses]).sum()
+            denominator = torch.stack([d.double() for d in self._denominators]).sum()
+        else:
+            numerator = denominator = torch.zeros((), dtype=torch.float64, device=self.device)
+        return numerator, denominator
+
+    def forward(self, inputs: Sequence[torch.Tensor]) -> Any:
+        """Forward only, the whole batch at once: each stage in turn on its rank (the
+        activations sent point to point), the last stage's outputs sent to every rank of
+        the pp group. No schedule: inference has no backward to interleave."""
+        inputs = list(inputs)
+        env = _symbol_values(self.program, self.split, inputs)
+        kwargs = {f"b{j}": t for j, t in enumerate(inputs)}
+        ranks, last = self.plan.stage_ranks(), self.plan.num_stages - 1
+        values: tuple = ()
+        for s in self.stage_ids:
+            graph = self.split.stages[s]
+            if s == 0:
+                values = tuple(inputs[: len(self.split.input_placeholders)])
+            elif ranks[s - 1] != self.pp_rank:
+                grads = (False,) * len(graph.received_vals)
+                values = tuple(torch.empty(m.shape, dtype=m.dtype, device=self.device)
+                               for m in _metas(graph.received_vals, grads, env))
+                for t in values:
+                    dist.recv(t, group=self.pp_group, group_src=ranks[s - 1])
+            values = self.modules[s](*values, **kwargs)
+            if s < last and ranks[s + 1] != self.pp_rank:
+                for t in values:
+                    dist.send(t.contiguous(), group=self.pp_group, group_dst=ranks[s + 1])
+        box = [_to_cpu(values) if self.has_last else None]
+        if self.pp_group is not None:
+            dist.broadcast_object_list(box, group=self.pp_group, group_src=ranks[last])
+        outs = list(_to_device(box[0], self.device))
+        user = [outs[i] for i in self.program.user_outputs]
+        return user[0] if len(user) == 1 else tuple(user)
+
+    def _microbatches(self, batch: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        m = self.plan.num_microbatches
+        for i, t in enumerate(batch):
+            if t.shape[0] % m:
+                raise AutohybridError(
+                    f"pipeline parallelism needs equal microbatches: this rank's batch of "
+                    f"{t.shape[0]} samples (tensor {i}) does not split into the plan's {m} "
+                    f"microbatches; give a multiple of {m * self.plan.mesh.dp} samples")
+        split = [torch.tensor_split(t, m) for t in batch]
+        return [[parts[k] for parts in split] for k in range(m)]
+
+
+def shared_grad_groups(plan: Plan, split: PipelineSplit) -> dict[str, dist.ProcessGroup]:
+    """For each parameter that stages on several pp ranks read: the process group of those
+    ranks at this rank's (dp, tp) coordinate. Every rank creates every group, in the same
+    order (torch requires it); a rank keeps the ones it belongs to."""
+    if not dist.is_initialized():
+        return {}
+    stage_rank = plan.stage_ranks()
+    by_ranks: dict[tuple[int, ...], list[str]] = {}
+    for name, stages in sorted(split.shared_params.items()):
+        ranks = tuple(sorted({stage_rank[s] for s in stages}))
+        if len(ranks) > 1:
+            by_ranks.setdefault(ranks, []).append(name)
+    mesh, me, out = plan.mesh, dist.get_rank(), {}
+    for pp_ranks, names in sorted(by_ranks.items()):
+        for d in range(mesh.dp):
+            for t in range(mesh.tp):
+                members = [plan.placement[(p * mesh.dp + d) * mesh.tp + t].rank
+                           for p in pp_ranks]
+                group = dist.new_group(members)
+                if me in members:
+                    out.update({name: group for name in names})
+    return out
+
+
+# ---------------------------------------------------------------------- shapes
+def _symbol_values(program: CapturedGraph, split: PipelineSplit,
+                   first: list[torch.Tensor]) -> dict[sympy.Symbol, int]:
+    """The graph's size symbols at this microbatch (from its inputs' and targets' shapes)."""
+    phs = [n for n in program.gm.graph.nodes if n.op == "placeholder"]
+    env: dict[sympy.Symbol, int] = {}
+    for index, tensor in zip(split.batch_placeholders, first):
+        val = phs[index].meta.get(VAL)
+        for size, actual in zip(getattr(val, "shape", ()), tensor.shape):
+            if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                env[size.node.expr] = int(actual)
+    return env
+
+
+def _size(size: Any, env: dict[sympy.Symbol, int]) -> int:
+    if isinstance(size, torch.SymInt):
+        return int(sympy.sympify(size.node.expr).xreplace(env))
+    return int(size)
+
+
+def _metas(vals: Sequence[Any], requires_grad: Sequence[bool],
+           env: dict[sympy.Symbol, int]) -> tuple[torch.Tensor, ...]:
+    """Meta tensors with the shapes of `vals` at this microbatch (contiguous)."""
+    out = []
+    for val, grad in zip(vals, requires_grad):
+        t = torch.empty([_size(s, env) for s in val.shape], dtype=val.dtype, device="meta")
+        out.append(t.requires_grad_(grad and t.is_floating_point()))
+    return tuple(out)
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to_cpu(o) for o in obj)
+    return obj
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to_device(o, device) for o in obj)
+    return obj
