@@ -88,8 +88,11 @@ def predict_megatron_core(row, tp_overlap: float = TP_OVERLAP_MEGATRON_CORE,
     prof = prof if prof is not None else megatron_core_profile(row)
     layout = Layout(Mesh(pp=pp, dp=dp, tp=tp, sp=tp > 1), 1, batch // dp,
                     schedule="1f1b" if pp > 1 else "none", zero=1)
+    # Megatron-Core overlaps the dp gradient reduce with the pipeline's last backward
+    # (--overlap-grad-reduce), unlike autohybrid's pipeline runtime today
     priced = price(prof, ah.Cluster.preset("dgx-h100", nodes=gpus // 8),
-                   layout, seq, "bfloat16", 4, "adam", batch, tp_overlap=tp_overlap)
+                   layout, seq, "bfloat16", 4, "adam", batch, tp_overlap=tp_overlap,
+                   pipeline_grad_overlap=True)
     flops = 72 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden)
                                                      + vocab / (12 * layers * hidden))
     return flops / priced.prediction.step_time_s / gpus / 1e12

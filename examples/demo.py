@@ -52,9 +52,10 @@ def main(rank: int, args: argparse.Namespace, config: dict) -> dict:
             eager_loss = reference.item()
         rows.append((loss.item(), eager_loss, compiled_s, eager_s))
     result = {"rows": rows}
+    state = compiled.full_state_dict()  # every rank: it gathers shards and stages
     if rank == 0:
         result["explain"] = compiled.explain()
-        state, ref_state = compiled.full_state_dict(), eager.state_dict()
+        ref_state = eager.state_dict()
         result["max_param_diff"] = max((state[k] - ref_state[k]).abs().max().item()
                                        for k in ref_state)
     return result

@@ -21,7 +21,8 @@ def format_plan(plan: Plan) -> str:
         f"  dtype           {plan.dtype}, optimizer state {plan.optimizer}, ZeRO {plan.zero}, "
         f"recompute {plan.recompute}",
         f"  gradient sync   {plan.collective_algorithm} all-reduce in {plan.bucket_mb:g} MB "
-        "buckets, launched during backward",
+        "buckets, " + ("after the pipeline's step" if plan.mesh.pp > 1
+                       else "launched during backward"),
         f"  step time       {p.step_time_s * 1e3:.2f} ms predicted (compute "
         f"{p.compute_s * 1e3:.2f} ms, communication {p.comm_s * 1e3:.2f} ms of which "
         f"{p.exposed_comm_s * 1e3:.2f} ms exposed), MFU {p.mfu * 100:.1f} %",
@@ -83,6 +84,8 @@ def explain(compiled: Any) -> str:
             lines.append(f"  gradients summed across stages (tied weights): {split.shared_params}")
     reducer = compiled.executor.reducer
     sizes = [sum(p.numel() * p.element_size() for p in b.params) for b in reducer.buckets]
+    when = ("after the schedule's step" if plan.mesh.pp > 1
+            else "as each bucket's gradients become ready")
     lines.append(f"gradient buckets: {len(sizes)} (bytes {sizes}), all-reduced over dp = "
-                 f"{plan.mesh.dp} as each bucket's gradients become ready")
+                 f"{plan.mesh.dp} {when}")
     return "\n".join(lines)

@@ -306,11 +306,15 @@ def bubble(layout: Layout, slowest: LayerTimes) -> float:
 def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype: str,
           graph_dtype_bytes: int, optimizer: str, global_batch: int,
           cache: dict | None = None, attention: str = "flash",
-          tp_overlap: float = 0.0, stage_starts: tuple[int, ...] | None = None) -> Priced:
+          tp_overlap: float = 0.0, stage_starts: tuple[int, ...] | None = None,
+          pipeline_grad_overlap: bool = False) -> Priced:
     """Predict `layout`; `cache` (any dict, kept across calls) reuses layer times and splits.
 
     `tp_overlap` is the share of tensor-parallel communication hidden behind compute (0 for
     autohybrid's runtime today; `TP_OVERLAP_MEGATRON_CORE` for runs that overlap it).
+    `pipeline_grad_overlap`: with pp > 1, whether the dp gradient sync overlaps the last
+    backward (Megatron's runs do; autohybrid's pipeline runtime reduces after the
+    schedule's step, so for its plans the sync is exposed).
     `stage_starts` pins the first layer of each of the pp × v stages (None: balanced).
     """
     cache = {} if cache is None else cache
@@ -336,8 +340,9 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
     p2p = _p2p(cluster, layout, stages, times, m)
     held = _held(profile, stages, shape, cache)
     params_local, tensors = max(held.params), held.tensors
+    overlap = mesh.pp == 1 or pipeline_grad_overlap
     worst, grad_sync, exposed = _ranks_memory_and_sync(cluster, layout, stages, held, dtype,
-                                                       optimizer)
+                                                       optimizer, overlap)
     update = params_local / (mesh.dp if layout.zero else 1) * OPTIMIZER_BYTES_PER_PARAM \
         / (cluster.device.memory_bandwidth * MEMORY_EFFICIENCY)
     if cluster.cluster.device_type != "cpu":
@@ -417,11 +422,12 @@ def _p2p(cluster, layout: Layout, stages: Split, times: list[LayerTimes], m: int
 
 
 def _ranks_memory_and_sync(cluster, layout: Layout, stages: Split, held: Held, dtype: str,
-                           optimizer: str) -> tuple[MemoryBreakdown, float, float]:
+                           optimizer: str, overlap: bool) -> tuple[MemoryBreakdown, float, float]:
     """(memory of the most loaded rank, slowest dp gradient sync, most exposed part of it).
 
-    The sync of a rank's gradients overlaps its backward in buckets: all but the last
-    bucket hide behind the backward of the layers after them."""
+    With `overlap`, the sync of a rank's gradients overlaps its backward in buckets: all
+    but the last bucket hide behind the backward of the layers after them; without, all
+    of it is exposed."""
     worst, grad_sync, exposed = None, 0.0, 0.0
     for rank in held.distinct:
         local, sums = held.params[rank], stages.sums[rank]
@@ -432,9 +438,10 @@ def _ranks_memory_and_sync(cluster, layout: Layout, stages: Split, held: Held, d
         grad_bytes = local * dtype_bytes(dtype)
         sync = _dp_sync(cluster, layout, grad_bytes)
         buckets = max(1, math.ceil(grad_bytes / (layout.bucket_mb * 2**20)))
-        hidden = sums.backward * (buckets - 1) / buckets
+        hidden = sums.backward * (buckets - 1) / buckets if overlap else 0.0
         grad_sync = max(grad_sync, sync)
-        exposed = max(exposed, max(sync - hidden, sync / buckets) if sync else 0.0)
+        floor = sync / buckets if overlap else sync
+        exposed = max(exposed, max(sync - hidden, floor) if sync else 0.0)
     return worst, grad_sync, exposed
 
 
