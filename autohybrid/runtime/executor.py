@@ -71,6 +71,9 @@ class Executor:
             targets = self.local_slice(targets, "targets")
         if pipeline is not None:
             numerator, denominator = pipeline.forward_backward(inputs, targets)
+            # this rank's gradients are complete: sum them over dp while the pp ranks
+            # still in the schedule's cool-down finish theirs
+            self.reducer.launch_pending()
         else:
             numerator, denominator = self._microbatch_loop(program, inputs, targets)
         self.last_backward_end = time.perf_counter()
@@ -85,10 +88,10 @@ class Executor:
         else:
             scale = torch.ones((), dtype=torch.float64)
             loss = totals[0]
-        if pipeline is not None:
-            pipeline.sum_shared_grads()
         dtype = pipeline.loss_dtype if pipeline is not None else numerator.dtype
         self.reducer.finish(scale.to(dtype))
+        if pipeline is not None:  # (sums commute: tied weights after the dp sum and scale)
+            pipeline.sum_shared_grads()
         return StepResult(loss=loss.to(dtype), numerator=numerator, denominator=denominator)
 
     def _microbatch_loop(self, program: CapturedGraph, inputs: Sequence[torch.Tensor],

@@ -90,11 +90,15 @@ class GradReducer:
             bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
         self.events.append(LaunchEvent(index, time.perf_counter(), self._pending))
 
-    def finish(self, scale: float | torch.Tensor) -> None:
-        """Launch buckets whose gradients never arrived, wait for all, write back × scale."""
+    def launch_pending(self) -> None:
+        """Launch every bucket not launched yet (gradients complete: a pipeline's step)."""
         for index, bucket in enumerate(self.buckets):
             if bucket.flat is None:
                 self._launch(index)
+
+    def finish(self, scale: float | torch.Tensor) -> None:
+        """Launch buckets whose gradients never arrived, wait for all, write back × scale."""
+        self.launch_pending()
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
