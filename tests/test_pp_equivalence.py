@@ -231,3 +231,14 @@ def test_split_sends_activations_only_and_ties_first_and_last_stage():
 def test_bad_stage_boundaries_are_refused_with_the_layer_names():
     with pytest.raises(PlanError, match="model.blocks.0"):
         _split("gpt-tiny", 2, "1f1b", 1, boundaries=("model.no_such_layer",))
+
+
+@pytest.mark.timeout(60)
+def test_batch_norm_models_are_not_pipelined():
+    """BatchNorm in training mode updates buffers in its stage: refused, with the reason."""
+    model = zoo_model("resnet-tiny")
+    inputs, _ = ah.models.example_batch("resnet-tiny", 8, dtype=torch.float64)
+    with pytest.raises(ah.NotExecutableError, match="BatchNorm"):
+        ah.plan(model, ah.Cluster.local(2), inputs, executable_only=True,
+                constraints=ah.Constraints(pp=2))
+    assert ah.plan(model, ah.Cluster.local(2), inputs, executable_only=True).mesh.pp == 1

@@ -171,11 +171,6 @@ def build_split(gm: fx.GraphModule, stage_of: dict[fx.Node, int],
     inputs = tuple(i for i, n in enumerate(phs) if n.meta.get(AH_ROLE) == "input")
     batch = inputs + tuple(i for i, n in enumerate(phs) if n.meta.get(AH_ROLE) == "target")
     out = output_node(gm)
-    for node in gm.graph.nodes:
-        if node.op == "placeholder" and node.meta.get(AH_ROLE) == "buffer" and any(
-                u is out for u in node.users):
-            raise PlanError("pipeline parallelism cannot run a graph that mutates buffers "
-                            f"({node.name}, e.g. BatchNorm running statistics); use pp=1")
     last = num_stages - 1
     recompute = {n for n in _batch_only(gm) if n.op == "call_function" and not _random(n)}
     tensors = {n for n in stage_of if isinstance(n.meta.get(VAL), torch.Tensor)} - recompute

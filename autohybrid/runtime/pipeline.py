@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch.distributed import pipelining as tpp
 
 from ..capture import CapturedGraph
-from ..errors import AutohybridError
+from ..errors import AutohybridError, PlanError
 from ..graph import VAL
 from ..passes.pipeline_split import PipelineSplit, StageGraph
 from ..plan import Plan
@@ -96,6 +96,11 @@ class PipelineRunner:
                  state: dict[str, torch.Tensor], pp_rank: int,
                  pp_group: dist.ProcessGroup | None, device: torch.device,
                  shared_groups: dict[str, dist.ProcessGroup] | None = None):
+        if program.mutated_buffers:
+            raise PlanError(
+                "pipeline parallelism cannot run a model whose forward updates buffers ("
+                + ", ".join(f for _, f in program.mutated_buffers[:3]) + ", e.g. BatchNorm "
+                "running statistics): the stages would each update their own copy; use pp=1")
         self.plan, self.split, self.program, self.state = plan, split, program, state
         self.shared_groups = shared_groups or {}
         self.pp_rank, self.pp_group, self.device = pp_rank, pp_group, device
@@ -112,11 +117,6 @@ class PipelineRunner:
         self._outputs = (program.user_outputs[0], program.user_outputs[-1])
         #: dtype of the loss the last stage computes (known on every rank)
         self.loss_dtype = split.stages[last].sent_vals[self._outputs[0]].dtype
-
-    def parameter_names(self) -> list[str]:
-        """Canonical names of the parameters this rank's stages read."""
-        names = [n for s in self.stage_ids for n in self.split.stages[s].params]
-        return list(dict.fromkeys(names))
 
     def sum_shared_grads(self) -> None:
         """Sum the gradients of parameters read by stages on several pp ranks (tied
