@@ -112,7 +112,8 @@ def split_spec(boundaries: tuple[str, ...]) -> dict:
 class HandPipeline:
     """torch.distributed.pipelining as a user writes it: pipeline() + Schedule1F1B."""
 
-    def __init__(self, model, boundaries, rank: int, pp: int, m: int, example: torch.Tensor):
+    def __init__(self, model, boundaries, rank: int, pp: int, m: int, example: torch.Tensor,
+                 optimizer=None):
         from torch.distributed.pipelining import Schedule1F1B, pipeline
 
         self.rank, self.pp = rank, pp
@@ -120,7 +121,7 @@ class HandPipeline:
                         split_spec=split_spec(boundaries))
         self.stage = pipe.build_stage(rank, torch.device("cpu"))
         self.schedule = Schedule1F1B(self.stage, m, loss_fn=loss_fn)
-        self.optimizer = sgd(self.stage.submod.parameters())
+        self.optimizer = (optimizer or sgd)(self.stage.submod.parameters())
 
     def step(self, tokens, targets) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)

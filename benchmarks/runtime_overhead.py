@@ -51,6 +51,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import autohybrid as ah
+from pipeline_balance import (HandPipeline, batches, build,  # the same model and data,
+                              equal_boundaries)  # and pipeline() as users write it
 
 #: name, gpt kwargs, global batch
 CONFIGS = [
@@ -71,20 +73,6 @@ def loss_fn(logits, targets):
 
 def sgd(params):
     return torch.optim.SGD(params, lr=LR)
-
-
-def batches(config: dict, batch: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1234)
-    out = []
-    for _ in range(count):
-        ids = torch.randint(0, config["vocab"], (batch, config["seq"] + 1), generator=g)
-        out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
-    return out
-
-
-def build(config: dict) -> torch.nn.Module:
-    torch.manual_seed(0)
-    return ah.models.gpt(**config)
 
 
 # ------------------------------------------------------------------ DTensor side
@@ -160,46 +148,23 @@ def eager_step(model, optimizer, tokens, targets) -> torch.Tensor:
     return loss.detach()
 
 
-# ------------------------------------------------------------------ pipeline() side
-def equal_boundaries(layers: int, pp: int) -> tuple[str, ...]:
-    """Equal runs of blocks per stage (embedding first, head last), as autohybrid layer
-    names ('model.blocks.2'); pipeline()'s split points are the same without 'model.'."""
-    return tuple(f"model.blocks.{k * layers // pp}" for k in range(1, pp))
-
-
-class HandPipeline:
-    """torch.distributed.pipelining as a user writes it: pipeline() + Schedule1F1B."""
-
-    def __init__(self, model, boundaries, rank: int, pp: int, m: int, example: torch.Tensor):
-        from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
-
-        self.rank, self.pp = rank, pp
-        spec = {b.removeprefix("model."): SplitPoint.BEGINNING for b in boundaries}
-        pipe = pipeline(model, mb_args=(example[: example.shape[0] // m],), split_spec=spec)
-        self.stage = pipe.build_stage(rank, torch.device("cpu"))
-        self.schedule = Schedule1F1B(self.stage, m, loss_fn=loss_fn)
-        self.optimizer = sgd(self.stage.submod.parameters())
-
-    def step(self, tokens, targets) -> torch.Tensor:
-        self.optimizer.zero_grad(set_to_none=True)
-        losses: list[torch.Tensor] = []
-        if self.rank == 0:
-            self.schedule.step(tokens)
-        elif self.rank == self.pp - 1:
-            self.schedule.step(target=targets, losses=losses)
-        else:
-            self.schedule.step()
-        self.optimizer.step()
-        if not losses:
-            return torch.tensor(float("nan"))
-        return torch.stack([l.detach() for l in losses]).mean()  # equal microbatches
-
-
 # ------------------------------------------------------------------ one rank
 def _timed(fn, *args) -> tuple[float, torch.Tensor]:
     start = time.perf_counter()
     loss = fn(*args)
     return time.perf_counter() - start, loss
+
+
+def _eager_run(config: dict, data) -> tuple[list[float], list[float]]:
+    """Step times and losses of the same model trained eagerly in one process."""
+    model = build(config)
+    opt = sgd(model.parameters())
+    times, losses = [], []
+    for tokens, targets in data:
+        t, loss = _timed(eager_step, model, opt, tokens, targets)
+        times.append(t)
+        losses.append(float(loss))
+    return times, losses
 
 
 def run_rank(rank: int, world: int, config: dict, batch: int, steps: int, warmup: int) -> dict:
@@ -224,14 +189,7 @@ def run_rank(rank: int, world: int, config: dict, batch: int, steps: int, warmup
         dt_times.append(t)
         dt_losses.append(float(loss))
 
-    eager_times, eager_losses = [], []
-    if rank == 0:
-        model = build(config)
-        opt = sgd(model.parameters())
-        for tokens, targets in data:
-            t, loss = _timed(eager_step, model, opt, tokens, targets)
-            eager_times.append(t)
-            eager_losses.append(float(loss))
+    eager_times, eager_losses = _eager_run(config, data) if rank == 0 else ([], [])
     dist.barrier()
     shards = sorted(compiled.notes["train"]["param_shards"])
     return {"ah": ah_times[warmup:], "dt": dt_times[warmup:], "eager": eager_times[warmup:],
@@ -250,7 +208,7 @@ def run_pp_rank(rank: int, world: int, config: dict, batch: int, steps: int,
                           constraints=ah.Constraints(pp=world, dp=1, tp=1, schedule="1f1b",
                                                      num_microbatches=m,
                                                      stage_boundaries=boundaries))
-    hand = HandPipeline(build(config), boundaries, rank, world, m, tokens0)
+    hand = HandPipeline(build(config), boundaries, rank, world, m, tokens0, optimizer=sgd)
 
     ah_times, dt_times, ah_losses, dt_losses = [], [], [], []
     for tokens, targets in data:  # warm-up first (autohybrid captures its train graph)
@@ -263,14 +221,7 @@ def run_pp_rank(rank: int, world: int, config: dict, batch: int, steps: int,
         dt_times.append(t)
         dt_losses.append(float(loss))
 
-    eager_times, eager_losses = [], []
-    if rank == 0:
-        model = build(config)
-        opt = sgd(model.parameters())
-        for tokens, targets in data:
-            t, loss = _timed(eager_step, model, opt, tokens, targets)
-            eager_times.append(t)
-            eager_losses.append(float(loss))
+    eager_times, eager_losses = _eager_run(config, data) if rank == 0 else ([], [])
     dist.barrier()
     plan = compiled.plan
     return {"ah": ah_times[warmup:], "dt": dt_times[warmup:], "eager": eager_times[warmup:],
