@@ -6,8 +6,10 @@ data-parallel axis; `tensor_parallel` then splits the graph over the tp axis (it
 loss already as a sum, so the vocabulary-parallel loss keeps it one); `sequence_parallel`
 then turns its f/g pairs into all-gather/reduce-scatter and slices the regions between
 them by sequence; `pipeline_split` last cuts the finished rank-local graph into stages (so
-a stage's graph carries its tp/sp collectives and sends tp-local activations). Later
-passes (recompute → overlap → fusion) join this list as the runtime learns to execute them.
+a stage's graph carries its tp/sp collectives and sends tp-local activations);
+`recompute` after it wraps the blocks (or attention cores) of the graph and of every stage
+in checkpointed submodules, so it sees the final per-rank and per-stage graphs. Later
+passes (overlap → fusion) join this list as the runtime learns to execute them.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from .global_loss import global_loss
 from .manager import Pass, PassContext, run_passes
 from .sync_batch_norm import sync_batch_norm
 from .pipeline_split import pipeline_split
+from .recompute import recompute
 from .sequence_parallel import sequence_parallel
 from .tensor_parallel import tensor_parallel
 
@@ -24,9 +27,10 @@ REGISTRY: dict[str, Pass] = {
     "tensor_parallel": tensor_parallel,
     "sequence_parallel": sequence_parallel,
     "pipeline_split": pipeline_split,
+    "recompute": recompute,
 }
 ORDER = ("global_loss", "sync_batch_norm", "tensor_parallel", "sequence_parallel",
-         "pipeline_split")
+         "pipeline_split", "recompute")
 
 
 def passes_for(graph_kind: str) -> list[tuple[str, Pass]]:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch.fx as fx
+
 from ..graph import op_name
 from ..plan import Plan
 
@@ -57,7 +59,8 @@ def explain(compiled: Any) -> str:
             name = node.meta.get("ah_pass")
             if name:
                 created[name] = created.get(name, 0) + 1
-        collectives = sorted({op_name(n) for n in gm.graph.nodes
+        graphs = [m for m in gm.modules() if isinstance(m, fx.GraphModule)]  # + recompute regions
+        collectives = sorted({op_name(n) for g in graphs for n in g.graph.nodes
                               if n.op == "call_function" and "autohybrid" in op_name(n)})
         notes = compiled.notes.get(kind, {})
         lines.append(f"graph {kind!r}: {len(gm.graph.nodes)} nodes; nodes created by passes "

@@ -13,8 +13,6 @@ def unsupported(plan: Plan) -> list[str]:
     reasons = []
     if plan.zero:
         reasons.append(f"ZeRO stage {plan.zero} is not executable yet (ZeRO 0 only)")
-    if plan.recompute != "none":
-        reasons.append(f"recompute={plan.recompute!r} is not executable yet")
     if plan.collective_algorithm != "flat":
         reasons.append(f"collective_algorithm={plan.collective_algorithm!r} is not executable yet")
     if plan.collective_matmul:

@@ -48,6 +48,15 @@ class Layer:
         return sum(p.meta[VAL].numel() for p in self.params())
 
 
+_BLOCK = re.compile(r"\.\d+(#\d+)?$")  # a ModuleList entry (a later run of one: `#k`)
+
+
+def is_block(name: str) -> bool:
+    """Whether layer `name` is a ModuleList entry (a transformer block): the unit full
+    recomputation checkpoints (passes/recompute.py) and the cost model prices so."""
+    return bool(_BLOCK.search(name))
+
+
 def layer_key(node: fx.Node) -> str:
     """The layer a node belongs to: a ModuleList entry, else the top-level child; "" = glue."""
     paths = [path for path, _ in (node.meta.get(MODULE_STACK) or {}).values()]

@@ -24,6 +24,7 @@ from ..cost import comm
 from ..cost.compute import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
 from ..cost.memory import dtype_bytes, training_state, usable_bytes
 from ..plan import MemoryBreakdown, Mesh, Prediction, stage_ranks
+from .layers import is_block
 from .space import LayerProfile, ModelProfile, split_ways
 from .stages import partition
 
@@ -93,7 +94,8 @@ class LayerTimes:
     recompute: float
     tp_comm: float
     saved: float          # bytes kept for backward per microbatch
-    recompute_saved: float  # bytes kept with full recomputation (the layer's input)
+    recompute_saved: float  # bytes kept with full recomputation (a block: its input)
+    input: float = 0.0      # bytes of the layer's input (what a stage boundary sends)
 
     @property
     def total(self) -> float:
@@ -127,7 +129,11 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
         moved += MATERIALIZED_ACCESSES_FORWARD * dtype_bytes(dtype) * scores
         scores_saved = MATERIALIZED_SAVED_PER_SCORE * scores
     forward = matmul + max(moved / bandwidth, other) + layer.num_ops * device.launch_overhead_s
-    recompute = {"none": 0.0, "full": forward, "selective": core}[layout.recompute]
+    # full recomputation checkpoints the blocks (passes/recompute.py); other layers
+    # (embeddings, head, loss) keep their activations
+    full = layout.recompute == "full" and is_block(layer.name)
+    recompute = {"none": 0.0, "full": forward if full else 0.0,
+                 "selective": core}[layout.recompute]
     tp_ranks = list(range(t))
     tp_comm = 0.0
     for c in layer.collectives if t > 1 else ():
@@ -137,7 +143,7 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
         else:
             time = comm.all_gather(cluster, tp_ranks, nbytes)
         # full recomputation runs the forward, its collectives included, a second time
-        repeats = 2 if c.direction == "forward" and layout.recompute == "full" else 1
+        repeats = 2 if c.direction == "forward" and full else 1
         tp_comm += repeats * time * (1.0 - tp_overlap)
     saved = (v["saved_sharded"] / t + v["saved_replicated"] * replicated_share) * scale
     if layout.recompute == "selective":
@@ -145,7 +151,8 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
     else:
         saved += scores_saved
     kept = v["input_bytes"] * replicated_share * scale
-    return LayerTimes(forward, 2 * forward, recompute, tp_comm, saved, kept)
+    return LayerTimes(forward, 2 * forward, recompute, tp_comm, saved,
+                      kept if full or layout.recompute != "full" else saved, kept)
 
 
 @dataclass(frozen=True)
@@ -415,7 +422,7 @@ def _p2p(cluster, layout: Layout, stages: Split, times: list[LayerTimes], m: int
     sends = [0] * mesh.pp
     for s in crossing:
         sends[placement[s - 1]] += 1
-    activation = max((times[stages.starts[s]].recompute_saved for s in crossing), default=0.0)
+    activation = max((times[stages.starts[s]].input for s in crossing), default=0.0)
     pair = [0, mesh.dp * mesh.tp]  # neighbouring stages' ranks (placement order)
     hops = (m + mesh.pp - 1) * max(sends)
     return 2 * hops * comm.send_recv(cluster, pair, activation)
