@@ -297,7 +297,7 @@ def _from_exported(ep: ExportedProgram, model: nn.Module, method: str, num_input
     gm = ep.graph_module
     sig = ep.graph_signature
     strip = lambda name: name[len(_WRAPPER_PREFIX):] if name.startswith(_WRAPPER_PREFIX) else name
-    canonical = _canonical_names(model)
+    canonical = canonical_names(model)
     params, buffers, constants = [], [], {}
     nodes = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
     user_index = 0
@@ -335,7 +335,8 @@ def _from_exported(ep: ExportedProgram, model: nn.Module, method: str, num_input
         dim_roles=_dim_roles(gm), method=method, with_loss=with_loss)
 
 
-def _canonical_names(model: nn.Module) -> dict[str, str]:
+def canonical_names(model: nn.Module) -> dict[str, str]:
+    """Every parameter name of `model` (tied ones included) → the first name of that tensor."""
     first: dict[int, str] = {}
     out: dict[str, str] = {}
     for name, p in model.named_parameters(remove_duplicate=False):

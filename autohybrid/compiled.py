@@ -21,7 +21,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import passes as passes_mod
-from .capture import CapturedGraph, as_tuple, capture
+from .capture import CapturedGraph, as_tuple, canonical_names, capture
 from .cluster import Cluster
 from .errors import AutohybridError, PlanError, RuntimeFailure
 from .plan import Constraints, Plan
@@ -147,11 +147,6 @@ class CompiledModel:
                         for k, v in piece.items()})
         return out
 
-    def _canonical_keys(self) -> dict[str, str]:
-        first: dict[int, str] = {}
-        return {key: first.setdefault(id(p), key)
-                for key, p in self.model.named_parameters(remove_duplicate=False)}
-
     def _forward_kind(self) -> str:
         return f"forward_{'train' if self.model.training else 'eval'}"
 
@@ -237,13 +232,15 @@ class CompiledModel:
         """Clip gradients by their global norm (across all shards); returns the norm."""
         params = self._unique_params()
         grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
+        distributed = self.sharded is not None or self._owned is not None
+        if not grads and not distributed:
             return torch.zeros(())
-        if self.sharded is not None or self._owned is not None:
+        if distributed:  # every rank joins the norm's collectives, with or without grads
             if norm_type != 2.0:
                 raise AutohybridError(f"clip_grad_norm_ with tensor or pipeline parallelism "
                                       f"supports the 2-norm only, got norm_type={norm_type}")
-            total = self._squared_grad_norm(params).sqrt().to(grads[0].dtype)
+            total = self._squared_grad_norm(params).sqrt()
+            total = total.to(grads[0].dtype) if grads else total
         else:
             norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads])
             total = torch.linalg.vector_norm(norms, norm_type)
@@ -297,7 +294,7 @@ class CompiledModel:
             state = self.sharded.full_state(self.model)
         else:
             state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        return self._merge_stages(state, self._canonical_keys())
+        return self._merge_stages(state, canonical_names(self.model))
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """The gradients of the last step, whole, keyed like `model.named_parameters()`
@@ -308,7 +305,7 @@ class CompiledModel:
         else:
             grads = {n: (p.grad.detach().clone() if p.grad is not None else None)
                      for n, p in self.model.named_parameters()}
-        return self._merge_stages(grads, self._canonical_keys())
+        return self._merge_stages(grads, canonical_names(self.model))
 
     @property
     def kernels(self) -> list:
