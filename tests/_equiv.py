@@ -134,11 +134,16 @@ def train_and_compare(fails: Failures, name: str, model: nn.Module, batches: Seq
 def compare_training(fails: Failures, name: str, compiled, ref: nn.Module,
                      ref_opt: torch.optim.Optimizer | None, batches: Sequence[Batch],
                      eager_loss: Callable, *, max_grad_norm: float | None = None,
-                     scheduler: Callable | None = None) -> None:
-    """Step `compiled` and the eager `ref` (with `ref_opt`) on each batch; compare."""
+                     scheduler: Callable | None = None, seed: int | None = None) -> None:
+    """Step `compiled` and the eager `ref` (with `ref_opt`) on each batch; compare.
+    `seed`: both sides start step k from `torch.manual_seed(seed + k)` (dropout)."""
     schedulers = (scheduler(compiled.optimizer), scheduler(ref_opt)) if scheduler else ()
     for step, (inputs, targets) in enumerate(batches):
+        if seed is not None:
+            torch.manual_seed(seed + step)
         loss = compiled.train_step(inputs, targets, max_grad_norm=max_grad_norm)
+        if seed is not None:
+            torch.manual_seed(seed + step)
         expected = eager_step(ref, ref_opt, eager_loss, inputs, targets, max_grad_norm)
         where = f"{name} step {step}"
         fails.close(f"{where} loss", loss, expected)

@@ -20,8 +20,8 @@ import torch
 import torch.fx as fx
 
 import autohybrid as ah
-from _equiv import (OPTIMIZERS, Failures, default_eager_loss, eager_step, grads_of, lm_loss,
-                    report, state_of, train_and_compare, zoo_batches, zoo_loss, zoo_model)
+from _equiv import (OPTIMIZERS, Failures, compare_training, default_eager_loss, eager_step,
+                    lm_loss, report, train_and_compare, zoo_batches, zoo_loss, zoo_model)
 from autohybrid.capture import capture
 from autohybrid.graph import op_name
 from autohybrid.passes import PassContext, passes_for, run_passes
@@ -91,15 +91,8 @@ def _equivalence_rank(rank: int, world: int) -> list[str]:
                               example_targets=batches[0][1], optimizer=OPTIMIZERS["adamw"],
                               constraints=dataclasses.replace(MESHES["tp2"], recompute=mode))
         ref_opt = OPTIMIZERS["adamw"](list(ref.parameters()))
-        for step, (inputs, targets) in enumerate(batches):
-            torch.manual_seed(100 + step)
-            loss = compiled.train_step(inputs, targets)
-            torch.manual_seed(100 + step)
-            expected = eager_step(ref, ref_opt, default_eager_loss(lm_loss), inputs, targets)
-            where = f"gpt dropout 0.1 tp2 recompute={mode} step {step}"
-            fails.close(f"{where} loss", loss, expected)
-            fails.close_dict(f"{where} grads", compiled.full_grads(), grads_of(ref))
-            fails.close_dict(f"{where} state", compiled.full_state_dict(), state_of(ref))
+        compare_training(fails, f"gpt dropout 0.1 tp2 recompute={mode}", compiled, ref,
+                         ref_opt, batches, default_eager_loss(lm_loss), seed=100)
         regions = _region_ops(compiled)
         fails.check(f"dropout recompute={mode}: regions {regions}", len(regions) == 2)
         if mode == "selective":  # attention dropout under tp: autohybrid's sharded_sdpa

@@ -16,8 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autohybrid as ah
-from _equiv import (OPTIMIZERS, Failures, default_eager_loss, eager_step, grads_of, lm_loss,
-                    report, state_of, train_and_compare, zoo_batches, zoo_loss, zoo_model)
+from _equiv import (OPTIMIZERS, Failures, compare_training, default_eager_loss, eager_step,
+                    lm_loss, report, train_and_compare, zoo_batches, zoo_loss, zoo_model)
 from autohybrid.graph import op_name
 
 LAUNCH_TIMEOUT_S = 150
@@ -236,15 +236,8 @@ def _dropout_rank(rank: int, world: int, sp: bool) -> list[str]:
         if sp and name.startswith("gpt"):  # the residual stream's dropout, sequence-sliced
             fails.check(f"{name}: no sharded dropout under sp",
                         "autohybrid.sharded_dropout.default" in ops)
-        for step, (inputs, targets) in enumerate(batches):
-            torch.manual_seed(100 + step)
-            loss_value = compiled.train_step(inputs, targets)
-            torch.manual_seed(100 + step)
-            expected = eager_step(ref, ref_opt, default_eager_loss(loss), inputs, targets)
-            where = f"{name} tp{world} sp={sp} step {step}"
-            fails.close(f"{where} loss", loss_value, expected)
-            fails.close_dict(f"{where} grads", compiled.full_grads(), grads_of(ref))
-            fails.close_dict(f"{where} state", compiled.full_state_dict(), state_of(ref))
+        compare_training(fails, f"{name} tp{world} sp={sp}", compiled, ref, ref_opt, batches,
+                         default_eager_loss(loss), seed=100)
         torch.manual_seed(7)
         without = eager_step(copy.deepcopy(ref), None, default_eager_loss(loss), *batches[0])
         ref.eval()
