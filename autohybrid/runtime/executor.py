@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,8 +20,10 @@ import torch.distributed as dist
 from ..capture import CapturedGraph
 from ..errors import AutohybridError
 from ..plan import Plan
-from .pipeline import PipelineRunner
 from .reducer import GradReducer
+
+if TYPE_CHECKING:  # pipeline.py imports this module's tree helper
+    from .pipeline import PipelineRunner
 
 
 @dataclass
@@ -125,7 +127,7 @@ class Executor:
         if self.dp == 1 or self.dp_group is None:
             return out
         sizes = [len(range(batch)[s]) for s in _shard_slices(batch, self.dp)]
-        return _tree_map(out, lambda t: gather_batch(t, sizes, self.dp_group))
+        return tree_map(out, lambda t: gather_batch(t, sizes, self.dp_group))
 
 
 def _shard_slices(n: int, parts: int) -> list[slice]:
@@ -160,13 +162,14 @@ def gather_batch(t: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) ->
     return torch.cat([out[i * longest: i * longest + s] for i, s in enumerate(sizes)])
 
 
-def _tree_map(obj: Any, fn) -> Any:
+def tree_map(obj: Any, fn) -> Any:
+    """`fn` applied to every tensor of nested tuples, lists and dicts."""
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_tree_map(o, fn) for o in obj)
+        return type(obj)(tree_map(o, fn) for o in obj)
     if isinstance(obj, dict):
-        return {k: _tree_map(v, fn) for k, v in obj.items()}
+        return {k: tree_map(v, fn) for k, v in obj.items()}
     return obj
 
 

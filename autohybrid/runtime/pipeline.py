@@ -37,6 +37,7 @@ from ..errors import AutohybridError, PlanError
 from ..graph import VAL
 from ..passes.pipeline_split import PipelineSplit, StageGraph
 from ..plan import Plan
+from .executor import tree_map
 
 SCHEDULE_CLASSES = {
     "gpipe": tpp.ScheduleGPipe,
@@ -202,10 +203,10 @@ class PipelineRunner:
             if s < last and ranks[s + 1] != self.pp_rank:
                 for t in values:
                     dist.send(t.contiguous(), group=self.pp_group, group_dst=ranks[s + 1])
-        box = [_to_cpu(values) if self.has_last else None]
+        box = [tree_map(values, lambda t: t.detach().cpu()) if self.has_last else None]
         if self.pp_group is not None:
             dist.broadcast_object_list(box, group=self.pp_group, group_src=ranks[last])
-        outs = list(_to_device(box[0], self.device))
+        outs = list(tree_map(box[0], lambda t: t.to(self.device)))
         user = [outs[i] for i in self.program.user_outputs]
         return user[0] if len(user) == 1 else tuple(user)
 
@@ -273,19 +274,3 @@ def _metas(vals: Sequence[Any], requires_grad: Sequence[bool],
         t = torch.empty([_size(s, env) for s in val.shape], dtype=val.dtype, device="meta")
         out.append(t.requires_grad_(grad and t.is_floating_point()))
     return tuple(out)
-
-
-def _to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu()
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_to_cpu(o) for o in obj)
-    return obj
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_to_device(o, device) for o in obj)
-    return obj
