@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test test-fast clean
+.PHONY: demo test test-fast test-full clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+# The whole plan-space matrix (tests/_matrix.py): the CI sample plus every other valid
+# case; about 1.5 h on a 2-core machine.
+test-full: $(STAMP)
+	AUTOHYBRID_TEST_FULL=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/test_matrix.py
 
 clean:
 	rm -rf $(VENV) autohybrid_dump .pytest_cache

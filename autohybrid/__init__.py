@@ -6,7 +6,7 @@ processes; `ah.plan(...)` plans without processes (models on the meta device inc
 """
 from __future__ import annotations
 
-from . import logs, models
+from . import init, logs, models
 from .api import compile, plan
 from .calibrate import Profile, calibrate
 from .cluster import Cluster
@@ -22,5 +22,5 @@ __all__ = [
     "AutohybridError", "CaptureError", "Cluster", "ClusterError", "Constraints", "Profile",
     "calibrate",
     "NoPlanFitsError", "NotExecutableError", "Plan", "PlanError", "RankFailure",
-    "RuntimeFailure", "compile", "launch", "models", "plan",
+    "RuntimeFailure", "compile", "init", "launch", "models", "plan",
 ]

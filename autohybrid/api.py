@@ -17,6 +17,7 @@ from .errors import AutohybridError, NotExecutableError, PlanError
 from .passes.sync_batch_norm import training_batch_norms
 from .plan import Constraints, Plan, schedule_problem
 from .runtime.features import unsupported
+from .runtime.precision import mixed_compute_dtype
 from .search.planner import PlanRequest, search
 from .search.space import profile as model_profile
 from .search.tp_choice import Rates
@@ -100,6 +101,8 @@ def make_plan(forward: CapturedGraph, train: CapturedGraph | None, model: nn.Mod
     profile = model_profile(costed.gm, costed.dim_roles, Rates.of(cluster))
     first = next(iter(model.parameters()), None)
     width = first.element_size() if first is not None else 4
+    if costed.autocast is not None:  # mixed precision: the graph holds the compute dtypes
+        width = torch.empty((), dtype=costed.autocast).element_size()
     request = PlanRequest(
         model_hash=forward.hash,
         global_batch=int(global_batch or _batch_size(example_inputs)),
@@ -140,26 +143,54 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
             loss_fn: Callable | None = None, example_targets: Any = None,
             optimizer: OptimizerFactory | None = None, plan: Plan | None = None,
             constraints: Constraints | None = None, global_batch: int | None = None,
-            dtype: torch.dtype | str | None = None) -> "CompiledModel":
+            dtype: torch.dtype | str | None = None,
+            grad_scaler: torch.amp.GradScaler | bool | None = None,
+            init_seed: int | None = None) -> "CompiledModel":
     """Compile `model` for `cluster`: capture, plan (or check `plan`), rewrite, set up ranks.
 
     Call it on every rank (inside `ah.launch` or torchrun) with the same arguments.
+    `dtype` narrower than the model's float32 parameters is mixed precision (autocast
+    compute, fp32 master weights: runtime/precision.py); with float16 the loss is scaled
+    dynamically as a `torch.amp.GradScaler` would (`grad_scaler`: its settings; False: off).
+    A model on the meta device is materialized shard by shard: each rank allocates only
+    its part, with the values `ah.init.materialize(model, init_seed)` gives the whole
+    model (runtime/materialize.py).
     """
     from .compiled import CompiledModel
 
     cluster = _check_cluster(cluster)
-    if any(p.device.type == "meta" for p in model.parameters()):
+    on_meta = [p.device.type == "meta" for p in model.parameters()]
+    if any(on_meta) and init_seed is None:
         raise NotExecutableError(
-            "the model's parameters are on the meta device: ah.compile needs real parameters "
-            "(build the model on 'cpu' or 'cuda'); ah.plan works on meta models")
-    if dtype is not None and dtype_name(dtype, model) != dtype_name(None, model):
-        raise NotExecutableError(
-            f"dtype={dtype_name(dtype, model)} differs from the model's "
-            f"{dtype_name(None, model)}: mixed precision is not executable yet; cast the "
-            "model instead (model.to(dtype))")
+            "the model's parameters are on the meta device: pass init_seed=<int> to "
+            "materialize each rank's shards with autohybrid.init's seeded values (the "
+            "eager equivalent is ah.init.materialize(model, init_seed)), or build the "
+            "model on 'cpu' or 'cuda'")
+    if any(on_meta) and not all(on_meta):
+        raise NotExecutableError("the model has parameters on the meta device and others "
+                                 "not: build it wholly on meta (with init_seed) or wholly "
+                                 "on a real device")
+    if init_seed is not None and not any(on_meta):
+        raise AutohybridError("init_seed is for models on the meta device (their shards "
+                              "are materialized); this model's parameters are already "
+                              "allocated")
+    compute = None
+    if dtype is not None or plan is not None:
+        name = dtype_name(dtype, model) if dtype is not None else getattr(plan, "dtype", None)
+        if plan is not None and dtype is not None and isinstance(plan, Plan) \
+                and plan.dtype != name:
+            raise PlanError(f"dtype={name} differs from the plan's dtype {plan.dtype}")
+        if name is not None:
+            compute = mixed_compute_dtype(getattr(torch, name), _param_dtype(model))
     return CompiledModel(model, cluster, as_tuple(example_inputs), loss_fn=loss_fn,
                          example_targets=example_targets, optimizer_factory=optimizer,
-                         plan=plan, constraints=constraints, global_batch=global_batch)
+                         plan=plan, constraints=constraints, global_batch=global_batch,
+                         autocast=compute, grad_scaler=grad_scaler, init_seed=init_seed)
+
+
+def _param_dtype(model: nn.Module) -> torch.dtype:
+    first = next(iter(model.parameters()), None)
+    return first.dtype if first is not None else torch.float32
 
 
 def check_plan_fits_model(plan: Plan, forward: CapturedGraph, cluster: Cluster) -> None:

@@ -14,6 +14,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import linecache
 import traceback
@@ -58,6 +59,9 @@ class CapturedGraph:
     with_loss: bool
     hash: str = ""
     example_shapes: list[tuple[int, ...]] = field(default_factory=list)
+    #: mixed precision: the graph was captured, and runs, under torch.autocast to this
+    #: dtype (its fake values carry autocast's dtypes; the parameters keep theirs)
+    autocast: torch.dtype | None = None
 
     def default_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Parameters and buffers of `model` keyed by the canonical names of the graph."""
@@ -77,12 +81,21 @@ class CapturedGraph:
     def run(self, state: dict[str, torch.Tensor], inputs: Sequence[torch.Tensor],
             targets: Sequence[torch.Tensor] = ()) -> Any:
         """Run the graph and apply buffer mutations; the user outputs (one, or a tuple)."""
-        outs = self.gm(*self.flat_args(state, inputs, targets))
+        args = self.flat_args(state, inputs, targets)
+        with self.autocast_context(args):
+            outs = self.gm(*args)
         with torch.no_grad():
             for index, fqn in self.mutated_buffers:
                 state[fqn].copy_(outs[index])
         user = [outs[i] for i in self.user_outputs]
         return user[0] if len(user) == 1 else tuple(user)
+
+    def autocast_context(self, tensors: Sequence[Any]):
+        """torch.autocast as at capture (on the device of `tensors`), or nothing."""
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        device = next((t.device.type for t in tensors if isinstance(t, torch.Tensor)), "cpu")
+        return torch.autocast(device_type=device, dtype=self.autocast)
 
     def sizes(self, batch: int, seq: int | None = None) -> dict[sympy.Symbol, int]:
         """Values for the graph's symbols at a given (local) batch and sequence length."""
@@ -157,11 +170,15 @@ def as_tuple(x: Any) -> tuple:
 
 
 def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = None,
-            example_targets: Any = None, *, with_loss: bool = True) -> CapturedGraph:
+            example_targets: Any = None, *, with_loss: bool = True,
+            autocast: torch.dtype | None = None) -> CapturedGraph:
     """Capture `model` (with `loss_fn` when `with_loss`) as an ATen training-IR graph.
 
     Dim 0 of every input and target is the batch dim; dim 1 of integer inputs with two or
-    more dims is the sequence dim; both are symbolic in the graph.
+    more dims is the sequence dim; both are symbolic in the graph. `autocast` (mixed
+    precision): capture under `torch.autocast` to that dtype, as eager would run; the
+    graph keeps autocast's dtypes in its fake values and `run` applies autocast again
+    (export records the ops, not autocast's casts).
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -182,8 +199,12 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
     wrapper = _WithLoss(model, loss_fn, len(inputs)) if with_loss else _ForwardOnly(model)
     args = (*inputs, *targets)
     dynamic = tuple(_dynamic_dims(t) for t in args)
-    ep, method = _export_with_fallback(wrapper, model, args, dynamic)
+    context = (torch.autocast(device_type=args[0].device.type, dtype=autocast)
+               if autocast is not None else contextlib.nullcontext())
+    with context:
+        ep, method = _export_with_fallback(wrapper, model, args, dynamic)
     cap = _from_exported(ep, model, method, len(inputs), len(targets), with_loss)
+    cap.autocast = autocast
     cap.example_shapes = [tuple(t.shape) for t in args]
     verify(cap.gm, "capture")
     cap.hash = graph_hash(cap.gm)

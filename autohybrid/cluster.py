@@ -259,7 +259,10 @@ class Cluster:
     @classmethod
     def from_env(cls) -> Cluster:
         """The cluster this process runs in under torchrun (WORLD_SIZE, LOCAL_WORLD_SIZE,
-        optionally GROUP_WORLD_SIZE = nodes); CUDA/NCCL when CUDA is available."""
+        optionally GROUP_WORLD_SIZE = nodes); CUDA/NCCL when CUDA is available.
+
+        With RANK, GROUP_RANK and LOCAL_RANK set (torchrun sets them), checks that ranks
+        are numbered node by node, as `rank_location` assumes."""
         import torch
 
         missing = [v for v in ("WORLD_SIZE", "LOCAL_WORLD_SIZE") if v not in os.environ]
@@ -274,6 +277,7 @@ class Cluster:
             raise ClusterError(f"Cluster.from_env: WORLD_SIZE={world} is not nodes={nodes} × "
                                f"LOCAL_WORLD_SIZE={local}; every node must run the same "
                                f"number of processes")
+        _check_node_major(nodes, local)
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         return cls._detected(f"torchrun:{nodes}x{local}", nodes, local, device_type,
                              is_local=False)
@@ -377,13 +381,29 @@ def _spec_from(value: str | dict, cls: type, where: str) -> Any:
     return cls.from_dict(value, where)
 
 
-def _env_int(variable: str) -> int:
-    """A positive integer from the environment, or a ClusterError naming the variable."""
+def _env_int(variable: str, minimum: int = 1) -> int:
+    """An integer >= minimum from the environment, or a ClusterError naming the variable."""
     value = os.environ[variable]
-    if not value.strip().isdigit() or int(value) < 1:
-        raise ClusterError(f"environment variable {variable}={value!r} is not a positive "
-                           f"integer; is this process started by torchrun?")
+    if not value.strip().isdigit() or int(value) < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ClusterError(f"environment variable {variable}={value!r} is not {kind}; is "
+                           f"this process started by torchrun?")
     return int(value)
+
+
+def _check_node_major(nodes: int, per_node: int) -> None:
+    """This process is rank GROUP_RANK × LOCAL_WORLD_SIZE + LOCAL_RANK (torchrun's order,
+    which `Cluster.rank_location` and so every Plan's placement assume); skipped unless
+    RANK, GROUP_RANK and LOCAL_RANK are all set."""
+    if not all(v in os.environ for v in ("RANK", "GROUP_RANK", "LOCAL_RANK")):
+        return
+    rank, node, local = (_env_int(v, minimum=0) for v in ("RANK", "GROUP_RANK", "LOCAL_RANK"))
+    if node >= nodes or local >= per_node or rank != node * per_node + local:
+        raise ClusterError(
+            f"Cluster.from_env: RANK={rank} is not GROUP_RANK={node} × LOCAL_WORLD_SIZE="
+            f"{per_node} + LOCAL_RANK={local} (with {nodes} nodes): autohybrid places rank r "
+            f"on node r // LOCAL_WORLD_SIZE, so each node must hold consecutive ranks; start "
+            f"the processes with torchrun (or number them node by node)")
 
 
 def _hub_name(intra: LinkSpec) -> str:

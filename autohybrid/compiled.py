@@ -7,7 +7,10 @@ Built on every rank from the same model, cluster and options. It owns the captur
 graphs, the rewritten per-rank graphs, the mesh and the executor. Parameters the tp axis
 does not split are the model's own, trained in place as with DDP; those it splits are
 replaced by this rank's shards (runtime/tp_state.py), which the optimizer steps and
-`full_state_dict` / `full_grads` gather back.
+`full_state_dict` / `full_grads` gather back. With ZeRO (Plan.zero ≥ 1, dp > 1) the
+optimizer steps instead the flat dp shards of what this rank trains (runtime/zero.py);
+ZeRO 1/2 all-gather the whole parameters after each optimizer step (a step post-hook),
+ZeRO-3 keeps only the shards.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import passes as passes_mod
+from .ops import groups as ops_groups
 from .capture import CapturedGraph, as_tuple, canonical_names, capture
 from .cluster import Cluster
 from .errors import AutohybridError, PlanError, RuntimeFailure
@@ -29,33 +33,52 @@ from .runtime.executor import Executor, check_same_plan
 from .runtime.groups import build_mesh, ensure_initialized
 from .runtime.pipeline import PipelineRunner, shared_grad_groups
 from .runtime.tp_state import ShardedParameters
+from .runtime.materialize import Materializer, retarget_device
+from .runtime.precision import LossScaler
+from .runtime.zero import ZeroShards
 
 
 class CompiledModel:
     def __init__(self, model: nn.Module, cluster: Cluster, example_inputs: tuple, *,
                  loss_fn: Callable | None, example_targets: Any,
                  optimizer_factory: Callable | None, plan: Plan | None,
-                 constraints: Constraints | None, global_batch: int | None):
+                 constraints: Constraints | None, global_batch: int | None,
+                 autocast: torch.dtype | None = None,
+                 grad_scaler: torch.amp.GradScaler | bool | None = None,
+                 init_seed: int | None = None):
         from .api import check_plan_fits_model, make_plan, optimizer_kind
 
         ensure_initialized(cluster.world_size)
         self.model, self.cluster, self.loss_fn = model, cluster, loss_fn
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._move_to_device()
+        # a meta model is materialized shard by shard (runtime/materialize.py)
+        self.materializer = (Materializer(model, init_seed, self.device)
+                             if _on_meta(model) else None)
         self.example_inputs = tuple(t.to(self.device) for t in example_inputs)
         self._forward_captures: dict[bool, CapturedGraph] = {}
         self.sharded: ShardedParameters | None = None  # this rank's shards (tp > 1)
         self._owned: set[str] | None = None  # parameters of this rank's stages (pp > 1)
+        self.zero: ZeroShards | None = None  # this rank's dp shards (ZeRO ≥ 1, dp > 1)
         self._runners: dict[str, PipelineRunner] = {}
-        forward = self._forward_capture()
+        #: mixed precision: the graphs run under autocast to this dtype (capture.py)
+        self.autocast = autocast
+        self.scaler = _loss_scaler(autocast, grad_scaler)
+        # the plain capture names the model (plans are made on it, also on meta devices);
+        # under mixed precision the programs are captured again under autocast
+        forward = capture(model, self.example_inputs, with_loss=False)
+        if autocast is None:
+            self._forward_captures[model.training] = forward
         self._train: CapturedGraph | None = None
         if example_targets is not None:
             self._train = capture(model, self.example_inputs, loss_fn,
-                                  tuple(t.to(self.device) for t in as_tuple(example_targets)))
-        self.optimizer = optimizer_factory(self._unique_params()) if optimizer_factory else None
+                                  tuple(t.to(self.device) for t in as_tuple(example_targets)),
+                                  autocast=autocast)
+        self.optimizer = (optimizer_factory(list(self._trained_params().values()))
+                          if optimizer_factory and self.materializer is None else None)
         if plan is None:
             plan = make_plan(forward, self._train, model, cluster, self.example_inputs,
-                             global_batch, None, constraints, optimizer_kind(self.optimizer),
+                             global_batch, autocast, constraints, optimizer_kind(self.optimizer),
                              executable_only=True)
         else:
             check_plan_fits_model(plan, forward, cluster)
@@ -64,6 +87,7 @@ class CompiledModel:
         check_same_plan(plan.hash())
         mesh = build_mesh(plan, cluster.device_type)
         self.mesh = mesh
+        self._groups = ops_groups.snapshot()  # bound again whenever this model runs
         self.coords = plan.mesh.coords(self.rank)
         dp_group = mesh.get_group("dp") if mesh is not None and plan.mesh.dp > 1 else None
         state = self._train.default_state(model) if self._train else forward.default_state(model)
@@ -74,36 +98,72 @@ class CompiledModel:
             self._rewrite("train", self._train)
         elif plan.mesh.tp > 1 or plan.mesh.pp > 1:
             # the shards and stages come from the forward graph until training
-            self._rewrite(self._forward_kind(), forward)
+            self._rewrite(self._forward_kind(), self._forward_capture())
         first_notes = next(iter(self.notes.values()), {})
+        if plan.mesh.pp > 1:
+            self._owned = self._stage_params(first_notes)
+        zero3 = plan.zero == 3 and plan.mesh.dp > 1
         if plan.mesh.tp > 1:
             tp_group = mesh.get_group("tp") if mesh is not None else None
             self.sharded = ShardedParameters(model, first_notes["param_shards"], tp_group,
-                                             plan.mesh.tp)
+                                             plan.mesh.tp, None if zero3 else self._tp_shard)
             self.sharded.into_state(state)
-        if plan.mesh.pp > 1:
-            self._owned = self._stage_params(first_notes)
-        if optimizer_factory and (self.sharded is not None or self._owned is not None):
-            self.optimizer = optimizer_factory(self._unique_params())  # over this rank's part
+        if self.materializer is not None and not zero3:  # this rank's whole parameters
+            split = self.sharded.specs if self.sharded is not None else {}
+            whole = {n for n in self._trained_params() if n not in split}
+            self.materializer.into_model(model, whole)
+            state.update({n: model.get_parameter(n) for n in whole if n in state})
+        if plan.zero and plan.mesh.dp > 1:
+            self.zero = ZeroShards(plan.zero, self._trained_params(), dp_group, plan.mesh.dp,
+                                   self.coords[1], int(plan.bucket_mb * 2**20),
+                                   self._zero_shard)
+            if zero3:  # the graphs read the shards (passes/zero.py)
+                state.update(self.zero.shards)
+        if optimizer_factory and (self.sharded is not None or self._owned is not None
+                                  or self.zero is not None or self.materializer is not None):
+            self.optimizer = optimizer_factory(self._optimizer_params())  # this rank's part
+            if self.zero is not None and self.zero.stage < 3:
+                self.optimizer.register_step_post_hook(lambda *_: self.zero.gather_params())
         self.executor = Executor(plan, self.rank, self.coords[1], dp_group,
-                                 _full_state(model, state), self._unique_params())
+                                 _full_state(model, state),
+                                 list(self._trained_params().values()), self.zero,
+                                 self.scaler)
+        self.found_inf = False  # the last step's gradients overflowed (fp16): it was skipped
 
     # ------------------------------------------------------------------ set-up helpers
+    def _tp_shard(self, name: str, spec) -> torch.Tensor | None:
+        """This rank's tp shard of a meta model's parameter (None: not this rank's)."""
+        if self.materializer is None or (self._owned is not None and name not in self._owned):
+            return None
+        return self.materializer.tp_local(name, spec)
+
+    def _zero_shard(self, name: str) -> torch.Tensor:
+        """This rank's ZeRO-3 flat chunk of a meta model's parameter."""
+        spec = self.sharded.specs.get(name) if self.sharded is not None else None
+        return self.materializer.zero_shard(name, self.plan.mesh.dp, self.coords[1], spec)
+
     def _move_to_device(self) -> None:
         if self.cluster.device_type == "cuda":
             local = self.rank % self.cluster.devices_per_node
             self.device = torch.device("cuda", local)
-            self.model.to(self.device)
+            if not _on_meta(self.model):  # (a meta model is materialized on the device)
+                self.model.to(self.device)
         else:
             self.device = torch.device("cpu")
 
-    def _unique_params(self) -> list[nn.Parameter]:
-        """The parameters this rank trains: the model's own, or its shards of split ones;
-        with pipeline parallelism only those its stages read."""
+    def _trained_params(self) -> dict[str, nn.Parameter]:
+        """The parameters this rank trains by canonical name: the model's own, or its
+        tp shards of split ones; with pipeline parallelism only those its stages read."""
         named = list(self.model.named_parameters())
         if self.sharded is not None:
             named = list(zip([n for n, _ in named], self.sharded.parameters(self.model)))
-        return [p for name, p in named if self._owned is None or name in self._owned]
+        return {name: p for name, p in named if self._owned is None or name in self._owned}
+
+    def _optimizer_params(self) -> list[nn.Parameter]:
+        """What the optimizer steps: the trained parameters, or their ZeRO shards."""
+        if self.zero is not None:
+            return self.zero.optimizer_params()
+        return list(self._trained_params().values())
 
     # ------------------------------------------------------------------ pipeline
     def _stage_params(self, notes: dict[str, Any]) -> set[str]:
@@ -154,7 +214,7 @@ class CompiledModel:
         mode = self.model.training
         if mode not in self._forward_captures:
             self._forward_captures[mode] = capture(self.model, self.example_inputs,
-                                                   with_loss=False)
+                                                   with_loss=False, autocast=self.autocast)
         return self._forward_captures[mode]
 
     def _check_batch_norm_microbatches(self) -> None:
@@ -173,7 +233,13 @@ class CompiledModel:
                                      graph_kind="train" if cap.with_loss else "forward")
         if cap.with_loss:
             ctx.notes["loss_output_index"] = cap.user_outputs[0]
-        gm = passes_mod.run_passes(cap.gm, ctx, passes_mod.passes_for(ctx.graph_kind))
+        # under mixed precision the passes' fake values follow autocast, as the graph runs
+        with cap.autocast_context(self.example_inputs):
+            gm = passes_mod.run_passes(cap.gm, ctx, passes_mod.passes_for(ctx.graph_kind))
+        if self.materializer is not None:  # captured on meta, runs on this device
+            retarget_device(gm, self.device)
+            for stage in getattr(ctx.notes.get("pipeline"), "stages", ()):
+                retarget_device(stage.gm, self.device)
         if self.sharded is not None:
             self.sharded.check_same(ctx.notes.get("param_shards", {}), kind)
         outputs = list(cap.user_outputs)
@@ -196,6 +262,7 @@ class CompiledModel:
     # ------------------------------------------------------------------ training
     def forward_backward(self, inputs: Any, targets: Any = None, *, local: bool = False) -> torch.Tensor:
         """Forward and backward of the global batch; gradients summed over dp, not stepped."""
+        ops_groups.restore(self._groups)
         inputs = self._inputs(inputs, "inputs", len(self.example_inputs))
         targets = self._inputs(targets, "targets", None)
         if self._train is None:
@@ -206,40 +273,56 @@ class CompiledModel:
             shard = self.executor.local_slice if not local else (lambda ts, w: list(ts))
             first = [self.executor.microbatches(shard(ts, what), what)[0]
                      for ts, what in ((inputs, "inputs"), (targets, "targets"))]
-            self._train = capture(self.model, tuple(first[0]), self.loss_fn, tuple(first[1]))
+            self._train = capture(self.model, tuple(first[0]), self.loss_fn, tuple(first[1]),
+                                  autocast=self.autocast)
             self._rewrite("train", self._train)
         if len(targets) != self._train.num_targets:
             raise AutohybridError(f"targets: expected {self._train.num_targets} tensor(s), got "
                                   f"{len(targets)}")
-        for p in self._unique_params():
+        for p in [*self._trained_params().values(), *self._optimizer_params()]:
             p.grad = None
         result = self.executor.forward_backward(self.programs["train"],
                                                 self.notes["train"]["loss_kind"], inputs,
                                                 targets, local, self._runner("train"))
+        self.found_inf = result.found_inf
         return result.loss
 
     def train_step(self, inputs: Any, targets: Any = None, *, local: bool = False,
                    max_grad_norm: float | None = None) -> torch.Tensor:
-        """One optimizer step on the global batch; returns eager's loss of that batch."""
+        """One optimizer step on the global batch; returns eager's loss of that batch.
+
+        With fp16 loss scaling, a step whose gradients overflowed on any rank is skipped
+        (no clipping, no optimizer step) on every rank and the scale backs off, as
+        `GradScaler.step` / `update` do."""
         loss = self.forward_backward(inputs, targets, local=local)
-        if max_grad_norm is not None:
-            self.clip_grad_norm_(max_grad_norm)
-        if self.optimizer is not None:
-            self.optimizer.step()
+        if not self.found_inf:
+            if max_grad_norm is not None:
+                self.clip_grad_norm_(max_grad_norm)
+            if self.optimizer is not None:
+                self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.update(self.found_inf)
         return loss
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current fp16 loss scale (None without loss scaling)."""
+        return self.scaler.scale if self.scaler is not None else None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip gradients by their global norm (across all shards); returns the norm."""
-        params = self._unique_params()
+        params = self._optimizer_params()
         grads = [p.grad for p in params if p.grad is not None]
-        distributed = self.sharded is not None or self._owned is not None
+        distributed = (self.sharded is not None or self._owned is not None
+                       or self.zero is not None)
         if not grads and not distributed:
             return torch.zeros(())
         if distributed:  # every rank joins the norm's collectives, with or without grads
             if norm_type != 2.0:
                 raise AutohybridError(f"clip_grad_norm_ with tensor or pipeline parallelism "
-                                      f"supports the 2-norm only, got norm_type={norm_type}")
-            total = self._squared_grad_norm(params).sqrt()
+                                      f"or ZeRO supports the 2-norm only, got "
+                                      f"norm_type={norm_type}")
+            total = self._squared_grad_norm().sqrt()
             total = total.to(grads[0].dtype) if grads else total
         else:
             norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads])
@@ -249,21 +332,25 @@ class CompiledModel:
             g.mul_(coef.to(g.dtype))
         return total
 
-    def _squared_grad_norm(self, params: list[nn.Parameter]) -> torch.Tensor:
-        """Σ g² over the whole model: tp shards summed over the tp group, stages over the
-        pp group, a parameter that stages on k pp ranks hold (tied weights) counted once."""
-        weights: dict[int, float] = {}
+    def _squared_grad_norm(self) -> torch.Tensor:
+        """Σ g² over the whole model: dp shards (ZeRO) summed over the dp group, tp shards
+        over the tp group, stages over the pp group, a parameter that stages on k pp ranks
+        hold (tied weights) counted once."""
+        if self.zero is not None:
+            squares = self.zero.squared_grad_norms()
+        else:
+            squares = {name: p.grad.detach().double().pow(2).sum()
+                       for name, p in self._trained_params().items() if p.grad is not None}
+        weights: dict[str, float] = {}
         runner = self._runners.get("train")
         if runner is not None:
             ranks = self.plan.stage_ranks()
             for name, stages in runner.split.shared_params.items():
-                holders = len({ranks[s] for s in stages})
-                weights[id(self.executor.state[name])] = 1.0 / holders
+                weights[name] = 1.0 / len({ranks[s] for s in stages})
         if self.sharded is not None:
-            total = self.sharded.squared_norm(params, weights)
+            total = self.sharded.squared_norm(squares, weights)
         else:
-            total = sum((weights.get(id(p), 1.0) * p.grad.detach().double().pow(2).sum()
-                         for p in params if p.grad is not None),
+            total = sum((weights.get(name, 1.0) * sq for name, sq in squares.items()),
                         torch.zeros((), dtype=torch.float64))
         if self._owned is not None and self.mesh is not None:
             dist.all_reduce(total, group=self.mesh.get_group("pp"))
@@ -276,6 +363,7 @@ class CompiledModel:
 
     # ------------------------------------------------------------------ forward only
     def __call__(self, inputs: Any) -> Any:
+        ops_groups.restore(self._groups)
         cap = self._forward_capture()
         kind = self._forward_kind()
         program = self.programs.get(kind) or self._rewrite(kind, cap)
@@ -289,23 +377,39 @@ class CompiledModel:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer, whole, as `model.state_dict()` names them (split
-        parameters gathered from the tp group: every rank must call it)."""
+        parameters gathered from the tp group, ZeRO shards from the dp group: every rank
+        must call it)."""
+        local = self._zero_locals(grads=False)
         if self.sharded is not None:
-            state = self.sharded.full_state(self.model)
+            state = self.sharded.full_state(self.model, local)
         else:
-            state = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            canonical = canonical_names(self.model)
+            state = {k: (local[canonical[k]].clone() if canonical.get(k) in local
+                         else v.detach().clone()) for k, v in self.model.state_dict().items()}
         return self._merge_stages(state, canonical_names(self.model))
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """The gradients of the last step, whole, keyed like `model.named_parameters()`
-        (split ones gathered from the tp group: every rank must call it)."""
+        (split ones gathered from the tp group, ZeRO shards from the dp group: every rank
+        must call it)."""
+        local = self._zero_locals(grads=True)
         if self.sharded is not None:
-            all_grads = self.sharded.full_grads(self.model)
+            all_grads = self.sharded.full_grads(self.model, local)
             grads = {n: all_grads[n] for n, _ in self.model.named_parameters()}
         else:
-            grads = {n: (p.grad.detach().clone() if p.grad is not None else None)
-                     for n, p in self.model.named_parameters()}
+            canonical = canonical_names(self.model)
+            grads = {}
+            for n, p in self.model.named_parameters():
+                grad = local[canonical[n]] if canonical[n] in local else p.grad
+                grads[n] = None if grad is None else grad.detach().clone()
         return self._merge_stages(grads, canonical_names(self.model))
+
+    def _zero_locals(self, grads: bool) -> dict[str, torch.Tensor | None]:
+        """This rank's whole (tp-local) parameters or gradients from the ZeRO shards."""
+        if self.zero is None:
+            return {}
+        get = self.zero.full_grad if grads else self.zero.full_value
+        return {name: get(name) for name in self.zero.params}
 
     @property
     def kernels(self) -> list:
@@ -319,6 +423,27 @@ class CompiledModel:
     def explain(self) -> str:
         from .report.text import explain
         return explain(self)
+
+
+def _loss_scaler(autocast: torch.dtype | None,
+                 grad_scaler: torch.amp.GradScaler | bool | None) -> LossScaler | None:
+    """fp16 mixed precision scales the loss (GradScaler's defaults, or `grad_scaler`'s
+    settings); False turns it off; other dtypes need none."""
+    if autocast != torch.float16 or grad_scaler is False:
+        if isinstance(grad_scaler, torch.amp.GradScaler):
+            raise AutohybridError("grad_scaler is for float16 mixed precision "
+                                  "(ah.compile(..., dtype=torch.float16))")
+        return None
+    if isinstance(grad_scaler, torch.amp.GradScaler):
+        return LossScaler.like(grad_scaler)
+    if grad_scaler not in (None, True):
+        raise AutohybridError(f"grad_scaler must be a torch.amp.GradScaler, True, False or "
+                              f"None, got {type(grad_scaler).__name__}")
+    return LossScaler()
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
 
 
 def _full_state(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -32,6 +32,7 @@ V_SCHEDULES = ("zbv", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
 COLLECTIVE_ALGORITHMS = ("flat", "hierarchical")
 OPTIMIZERS = ("adam", "sgd", "none")
+REDUCE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,9 @@ class Plan:
     bucket_mb: float = 25.0
     collective_algorithm: str = "flat"
     collective_matmul: bool = False
+    #: dtype the dp gradient reduction runs in (None: the gradients' own, i.e. the fp32
+    #: master weights' under mixed precision; "bfloat16" halves the bytes sent)
+    grad_reduce_dtype: str | None = None
     shardings: tuple[NodeSharding, ...] = ()
     calibration_hash: str | None = None
     model_ref: str | None = None
@@ -233,6 +237,7 @@ class Constraints:
     bucket_mb: float | None = None
     collective_algorithm: str | None = None
     collective_matmul: bool | None = None
+    grad_reduce_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "microbatch_size", "num_microbatches", "virtual_stages"):
@@ -244,6 +249,8 @@ class Constraints:
         _check_choice("Constraints.recompute", self.recompute, RECOMPUTE, optional=True)
         _check_choice("Constraints.collective_algorithm", self.collective_algorithm,
                       COLLECTIVE_ALGORITHMS, optional=True)
+        _check_choice("Constraints.grad_reduce_dtype", self.grad_reduce_dtype, REDUCE_DTYPES,
+                      optional=True)
         if self.zero is not None and (isinstance(self.zero, bool)
                                       or self.zero not in (0, 1, 2, 3)):
             raise PlanError(f"Constraints.zero must be 0, 1, 2 or 3, got {self.zero!r}")
@@ -315,6 +322,7 @@ def _validate(plan: Plan) -> None:
     _check_choice("plan.recompute", plan.recompute, RECOMPUTE)
     _check_choice("plan.collective_algorithm", plan.collective_algorithm, COLLECTIVE_ALGORITHMS)
     _check_choice("plan.optimizer", plan.optimizer, OPTIMIZERS)
+    _check_choice("plan.grad_reduce_dtype", plan.grad_reduce_dtype, REDUCE_DTYPES, optional=True)
     if plan.zero not in (0, 1, 2, 3):
         raise PlanError(f"plan.zero must be 0..3, got {plan.zero!r}")
     for name in ("global_batch", "microbatch_size", "num_microbatches", "virtual_stages"):

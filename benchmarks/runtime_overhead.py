@@ -1,7 +1,9 @@
-"""autohybrid's tensor- and pipeline-parallel step times against DTensor's
-`parallelize_module` and a hand-written torch.distributed.pipelining run.
+"""autohybrid's tensor-, pipeline- and data-parallel (ZeRO 0–3) step times against
+DTensor's `parallelize_module`, a hand-written torch.distributed.pipelining run, DDP,
+DDP with ZeroRedundancyOptimizer and FSDP2.
 
     python benchmarks/runtime_overhead.py [--steps 20] [--warmup 2] [--world 2]
+                                          [--layouts tp pp dp]
 
 In one `ah.launch` on `ah.Cluster.local(world)` (gloo, fp32, one thread per rank), for
 each GPT size, three copies of the same model (same seed) train on the same global
@@ -30,14 +32,35 @@ microbatches:
 Both run the same stages on the same microbatches, so the ratio is the runtime's own
 overhead; a barrier before each pp step keeps the ranks' step times aligned.
 
+The dp layout (the `CONFIGS` models, tied head) trains on dp = world ranks with AdamW,
+one microbatch per rank per step (DDP's unit of work), 25 MB buckets on both sides; each
+autohybrid ZeRO stage, `ah.Constraints(dp=world, tp=1, pp=1, zero=k,
+num_microbatches=1, bucket_mb=25)`, against torch's counterpart (see `torch_dp`):
+
+    zero 0   DDP                                        all-reduce of gradient buckets
+    zero 1   DDP + ZeroRedundancyOptimizer(AdamW)       torch's ZeRO-1: optimizer state
+                                                        of 1/dp of the parameters
+    zero 2   FSDP2 fully_shard per block and root,      parameters gathered per block,
+             reshard_after_forward=False                kept until backward ends (ZeRO-2,
+                                                        FSDP's SHARD_GRAD_OP)
+    zero 3   FSDP2 fully_shard per block and root,      resharded after forward (blocks),
+             reshard_after_forward default               gathered again in backward (ZeRO-3)
+
+FSDP2 runs on CPU with gloo in torch 2.13 (all-gather and reduce-scatter of flat tensors).
+The baselines' step includes an all-reduce of the loss, as autohybrid's train_step
+returns the global batch's loss on every rank. All eight alternate step by step with a
+barrier before each, so each pair sees the same machine.
+
 autohybrid and DTensor steps alternate (after a warm-up, autohybrid's first step captures
 its training graph), so drift in the machine's speed hits both alike. A step's time is
 the slowest rank's; the table gives medians, the ratio autohybrid / DTensor of the medians
 (goal ≤ 1.0, first bar ≤ 1.10), the median of the per-step ratios (paired: adjacent steps,
-robust to load from other processes on a shared machine) and the largest loss difference
-between the two over all steps (equal work: the layouts are equivalent, so the losses
-agree to fp32 rounding). A benchmark, not a CI gate; ranks beyond the core count (e.g.
---world 4 on 2 cores) time the scheduler more than the runtime.
+robust to load from other processes on a shared machine), `busiest CPU`: the largest CPU
+time (process_time, all threads) of any rank per step, autohybrid / baseline medians (the
+work done, which other jobs' load does not inflate; waits excluded), and the largest loss
+difference between the two over all steps (equal work: the layouts are equivalent, so
+the losses agree to fp32 rounding). A benchmark, not a CI gate; ranks beyond the core
+count (e.g. --world 4 on 2 cores) time the scheduler more than the runtime.
 """
 from __future__ import annotations
 
@@ -54,7 +77,7 @@ import autohybrid as ah
 from pipeline_balance import (HandPipeline, batches, build,  # the same model and data,
                               equal_boundaries)  # and pipeline() as users write it
 
-#: name, gpt kwargs, global batch
+#: name, gpt kwargs, global batch (the tp and dp layouts)
 CONFIGS = [
     ("gpt h128 l4 s64 b16", dict(layers=4, hidden=128, heads=4, vocab=1024, seq=64), 16),
     ("gpt h256 l4 s128 b8", dict(layers=4, hidden=256, heads=8, vocab=2048, seq=128), 8),
@@ -65,6 +88,11 @@ PP_CONFIGS = [
      dict(layers=4, hidden=128, heads=4, vocab=1024, seq=64, tie_embeddings=False), 16),
 ]
 LR = 0.05
+ADAMW_LR = 1e-3
+BUCKET_MB = 25  # DDP's default bucket_cap_mb, pinned for autohybrid too
+#: ZeRO stage → torch's counterpart (built by `torch_dp`)
+DP_BASELINES = {0: "DDP", 1: "DDP+ZeroRedundancyOpt", 2: "FSDP2 no reshard", 3: "FSDP2"}
+LAYOUTS = ("tp", "pp", "dp")
 
 
 def loss_fn(logits, targets):
@@ -73,6 +101,10 @@ def loss_fn(logits, targets):
 
 def sgd(params):
     return torch.optim.SGD(params, lr=LR)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=ADAMW_LR)
 
 
 # ------------------------------------------------------------------ DTensor side
@@ -148,23 +180,89 @@ def eager_step(model, optimizer, tokens, targets) -> torch.Tensor:
     return loss.detach()
 
 
+# ------------------------------------------------------------------ torch's dp side
+def torch_dp(stage: int, model: torch.nn.Module
+             ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """torch's counterpart of ZeRO `stage` for `model`, as users write it: (module, AdamW)."""
+    if stage < 2:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel
+
+        ddp = DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB)
+        if stage == 0:
+            return ddp, adamw(ddp.parameters())
+        return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
+                                            lr=ADAMW_LR)
+    from torch.distributed.fsdp import fully_shard
+
+    # FSDP2's default (None) reshards the blocks after forward, not the root (whose
+    # parameters backward needs first); False keeps every gathered block until backward
+    reshard = None if stage == 3 else False
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=reshard)
+    fully_shard(model, reshard_after_forward=reshard)
+    return model, adamw(model.parameters())
+
+
+class TorchDataParallel:
+    """One AdamW step of torch's dp counterpart of ZeRO `stage` on this rank's slice."""
+
+    def __init__(self, stage: int, model: torch.nn.Module, rank: int, world: int):
+        self.model, self.optimizer = torch_dp(stage, model)
+        self.rank, self.world = rank, world
+
+    def step(self, tokens, targets) -> torch.Tensor:
+        tokens, targets = tokens.chunk(self.world)[self.rank], targets.chunk(self.world)[self.rank]
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(self.model(tokens), targets)
+        loss.backward()
+        self.optimizer.step()
+        loss = loss.detach().clone()
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # equal slices: the global batch's mean
+        return loss
+
+
 # ------------------------------------------------------------------ one rank
-def _timed(fn, *args) -> tuple[float, torch.Tensor]:
-    start = time.perf_counter()
-    loss = fn(*args)
-    return time.perf_counter() - start, loss
+def _alternate(steps_of: dict, data, barrier: bool) -> dict[str, dict[str, list[float]]]:
+    """Every step function on every batch in turn; per function its step times, CPU
+    times (process_time: this rank's threads) and losses."""
+    out = {key: {"time": [], "cpu": [], "loss": []} for key in steps_of}
+    for tokens, targets in data:
+        for key, step in steps_of.items():
+            if barrier:
+                dist.barrier()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            loss = step(tokens, targets)
+            out[key]["time"].append(time.perf_counter() - start)
+            out[key]["cpu"].append(time.process_time() - start_cpu)
+            out[key]["loss"].append(float(loss))
+    return out
 
 
-def _eager_run(config: dict, data) -> tuple[list[float], list[float]]:
+def _pair(runs: dict, ah_key: str, dt_key: str, warmup: int) -> dict:
+    """autohybrid's and the baseline's timed steps (after warm-up) and all their losses."""
+    ah_run, dt_run = runs[ah_key], runs[dt_key]
+    return {"ah": ah_run["time"][warmup:], "dt": dt_run["time"][warmup:],
+            "ah_cpu": ah_run["cpu"][warmup:], "dt_cpu": dt_run["cpu"][warmup:],
+            "ah_loss": ah_run["loss"], "dt_loss": dt_run["loss"]}
+
+
+def _eager_run(config: dict, data, optimizer=sgd) -> tuple[list[float], list[float]]:
     """Step times and losses of the same model trained eagerly in one process."""
     model = build(config)
-    opt = sgd(model.parameters())
+    opt = optimizer(model.parameters())
     times, losses = [], []
     for tokens, targets in data:
-        t, loss = _timed(eager_step, model, opt, tokens, targets)
-        times.append(t)
-        losses.append(float(loss))
+        start = time.perf_counter()
+        losses.append(float(eager_step(model, opt, tokens, targets)))
+        times.append(time.perf_counter() - start)
     return times, losses
+
+
+def _with_eager(rank: int, out: dict, config: dict, data, warmup: int, optimizer=sgd) -> dict:
+    times, losses = _eager_run(config, data, optimizer) if rank == 0 else ([], [])
+    dist.barrier()
+    return {**out, "eager": times[warmup:], "eager_loss": losses}
 
 
 def run_rank(rank: int, world: int, config: dict, batch: int, steps: int, warmup: int) -> dict:
@@ -179,22 +277,13 @@ def run_rank(rank: int, world: int, config: dict, batch: int, steps: int, warmup
     dt_model = build(config)
     parallelize_dtensor(dt_model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
     dt_opt = sgd(dt_model.parameters())
-
-    ah_times, dt_times, ah_losses, dt_losses = [], [], [], []
-    for tokens, targets in data:  # warm-up first (autohybrid captures its train graph)
-        t, loss = _timed(compiled.train_step, tokens, targets)
-        ah_times.append(t)
-        ah_losses.append(float(loss))
-        t, loss = _timed(dtensor_step, dt_model, dt_opt, tokens, targets)
-        dt_times.append(t)
-        dt_losses.append(float(loss))
-
-    eager_times, eager_losses = _eager_run(config, data) if rank == 0 else ([], [])
-    dist.barrier()
-    shards = sorted(compiled.notes["train"]["param_shards"])
-    return {"ah": ah_times[warmup:], "dt": dt_times[warmup:], "eager": eager_times[warmup:],
-            "ah_loss": ah_losses, "dt_loss": dt_losses, "eager_loss": eager_losses,
-            "ah_split": shards, "mesh": compiled.plan.mesh.describe()}
+    # warm-up first (autohybrid captures its train graph)
+    runs = _alternate({"ah": compiled.train_step,
+                       "dt": lambda x, y: dtensor_step(dt_model, dt_opt, x, y)}, data, False)
+    out = {**_pair(runs, "ah", "dt", warmup),
+           "ah_split": sorted(compiled.notes["train"]["param_shards"]),
+           "mesh": compiled.plan.mesh.describe()}
+    return _with_eager(rank, out, config, data, warmup)
 
 
 def run_pp_rank(rank: int, world: int, config: dict, batch: int, steps: int,
@@ -209,30 +298,117 @@ def run_pp_rank(rank: int, world: int, config: dict, batch: int, steps: int,
                                                      num_microbatches=m,
                                                      stage_boundaries=boundaries))
     hand = HandPipeline(build(config), boundaries, rank, world, m, tokens0, optimizer=sgd)
-
-    ah_times, dt_times, ah_losses, dt_losses = [], [], [], []
-    for tokens, targets in data:  # warm-up first (autohybrid captures its train graph)
-        dist.barrier()
-        t, loss = _timed(compiled.train_step, tokens, targets)
-        ah_times.append(t)
-        ah_losses.append(float(loss))
-        dist.barrier()
-        t, loss = _timed(hand.step, tokens, targets)
-        dt_times.append(t)
-        dt_losses.append(float(loss))
-
-    eager_times, eager_losses = _eager_run(config, data) if rank == 0 else ([], [])
-    dist.barrier()
+    runs = _alternate({"ah": compiled.train_step, "dt": hand.step}, data, True)
     plan = compiled.plan
-    return {"ah": ah_times[warmup:], "dt": dt_times[warmup:], "eager": eager_times[warmup:],
-            "ah_loss": ah_losses, "dt_loss": dt_losses, "eager_loss": eager_losses,
-            "boundaries": plan.stage_boundaries,
-            "mesh": f"{plan.mesh.describe()} {plan.schedule} m={plan.num_microbatches}"}
+    out = {**_pair(runs, "ah", "dt", warmup), "boundaries": plan.stage_boundaries,
+           "mesh": f"{plan.mesh.describe()} {plan.schedule} m={plan.num_microbatches}"}
+    return _with_eager(rank, out, config, data, warmup)
 
 
+def run_dp_rank(rank: int, world: int, config: dict, batch: int, steps: int, warmup: int,
+                stages: tuple[int, ...] = (0, 1, 2, 3)) -> dict:
+    """Per ZeRO stage, autohybrid at dp = world against torch's counterpart (AdamW)."""
+    torch.set_num_threads(1)
+    data = batches(config, batch, warmup + steps)
+    tokens0, targets0 = data[0]
+    steps_of, plans = {}, {}
+    for stage in stages:
+        compiled = ah.compile(
+            build(config), ah.Cluster.local(world), (tokens0,), loss_fn=loss_fn,
+            example_targets=targets0, optimizer=adamw,
+            constraints=ah.Constraints(dp=world, tp=1, pp=1, zero=stage, num_microbatches=1,
+                                       bucket_mb=BUCKET_MB))
+        plans[stage] = compiled.plan.summary()
+        steps_of[f"ah{stage}"] = compiled.train_step
+        steps_of[f"dt{stage}"] = TorchDataParallel(stage, build(config), rank, world).step
+    runs = _alternate(steps_of, data, True)
+    out = {"stages": {s: _pair(runs, f"ah{s}", f"dt{s}", warmup) for s in stages},
+           "plans": plans}
+    return _with_eager(rank, out, config, data, warmup, adamw)
+
+
+# ------------------------------------------------------------------ the table
 def _slowest_rank(results: list[dict], key: str) -> list[float]:
     """Per timed step, the slowest rank's time (the step ends when every rank's ends)."""
     return [max(r[key][i] for r in results) for i in range(len(results[0][key]))]
+
+
+def summarize(pairs: list[dict], losses: dict) -> dict:
+    """Medians over the timed steps of one autohybrid/baseline pair (`pairs`: each
+    rank's), the paired ratio, the busiest-CPU ratio, the losses' largest difference."""
+    ah_s, dt_s = _slowest_rank(pairs, "ah"), _slowest_rank(pairs, "dt")
+    ah_cpu, dt_cpu = _slowest_rank(pairs, "ah_cpu"), _slowest_rank(pairs, "dt_cpu")
+    return {"ah_ms": statistics.median(ah_s) * 1e3, "dt_ms": statistics.median(dt_s) * 1e3,
+            "paired": statistics.median(a / d for a, d in zip(ah_s, dt_s)),
+            "cpu": statistics.median(ah_cpu) / statistics.median(dt_cpu),
+            "spread": f"{min(ah_s) * 1e3:.1f}–{max(ah_s) * 1e3:.1f}",
+            "dt_spread": f"{min(dt_s) * 1e3:.1f}–{max(dt_s) * 1e3:.1f}",
+            "diff": max(abs(a - d) for a, d in zip(losses["ah_loss"], losses["dt_loss"]))}
+
+
+def _losses_line(label: str, losses: dict, eager: list[float], diff: float) -> str:
+    return (f"  step-0 loss: autohybrid {losses['ah_loss'][0]:.7f}  {label} "
+            f"{losses['dt_loss'][0]:.7f}  eager {eager[0]:.7f}; last: "
+            f"{losses['ah_loss'][-1]:.7f} / {losses['dt_loss'][-1]:.7f} / {eager[-1]:.7f}; "
+            f"max |autohybrid − {label}| over {len(losses['ah_loss'])} steps {diff:.1e}")
+
+
+def _spread_line(label: str, s: dict) -> str:
+    return (f"  step ms min–max: autohybrid {s['spread']}, {label} {s['dt_spread']}; "
+            f"load average {os.getloadavg()[0]:.1f}")
+
+
+def tp_rows(world: int, steps: int, warmup: int) -> list[tuple]:
+    rows = []
+    for name, config, batch in CONFIGS:
+        results = ah.launch(run_rank, ah.Cluster.local(world),
+                            args=(world, config, batch, steps, warmup))
+        r0 = results[0]
+        s = summarize(results, r0)
+        rows.append((name, f"tp{world} vs DTensor", s, statistics.median(r0["eager"]) * 1e3))
+        split = r0["ah_split"]
+        outside = [p for p in split if not p.startswith("blocks.")]
+        block0 = [p[len("blocks.0."):] for p in split if p.startswith("blocks.0.")]
+        print(f"{name}: autohybrid plan {r0['mesh']}, {len(split)} split parameters: "
+              f"{', '.join(outside)}; per block {', '.join(block0)}")
+        print(_losses_line("DTensor", r0, r0["eager_loss"], s["diff"]))
+        print(_spread_line("DTensor", s), flush=True)
+    return rows
+
+
+def pp_rows(world: int, steps: int, warmup: int) -> list[tuple]:
+    rows = []
+    for name, config, batch in PP_CONFIGS:
+        results = ah.launch(run_pp_rank, ah.Cluster.local(world),
+                            args=(world, config, batch, steps, warmup))
+        r0, rl = results[0], results[-1]  # the last stage's rank holds pipeline()'s loss
+        s = summarize(results, rl)
+        rows.append((name, f"pp{world} 1f1b vs pipeline()", s,
+                     statistics.median(r0["eager"]) * 1e3))
+        print(f"{name}: autohybrid plan {r0['mesh']}, stage boundaries pinned to pipeline()'s "
+              f"split {list(r0['boundaries'])}")
+        print(_losses_line("pipeline()", rl, r0["eager_loss"], s["diff"]))
+        print(_spread_line("pipeline()", s), flush=True)
+    return rows
+
+
+def dp_rows(world: int, steps: int, warmup: int) -> list[tuple]:
+    rows = []
+    for name, config, batch in CONFIGS:
+        results = ah.launch(run_dp_rank, ah.Cluster.local(world),
+                            args=(world, config, batch, steps, warmup))
+        r0 = results[0]
+        eager_ms = statistics.median(r0["eager"]) * 1e3
+        print(f"{name}, dp{world} AdamW: eager loss step 0 {r0['eager_loss'][0]:.7f}, "
+              f"last {r0['eager_loss'][-1]:.7f}")
+        for stage, pair in r0["stages"].items():
+            label = DP_BASELINES[stage]
+            s = summarize([r["stages"][stage] for r in results], pair)
+            rows.append((name, f"dp{world} zero{stage} vs {label}", s, eager_ms))
+            print(f" zero {stage}: autohybrid plan {r0['plans'][stage]}")
+            print(_losses_line(label, pair, r0["eager_loss"], s["diff"]))
+            print(_spread_line(label, s), flush=True)
+    return rows
 
 
 def main() -> None:
@@ -240,67 +416,28 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--world", type=int, default=2,
-                        help="tp degree = pp degree = ranks (2 or 4)")
+                        help="tp degree = pp degree = dp degree = ranks (2 or 4)")
+    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     args = parser.parse_args()
+    print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the start",
+          flush=True)
 
-    rows = []
-    for name, config, batch in CONFIGS:
-        results = ah.launch(run_rank, ah.Cluster.local(args.world),
-                            args=(args.world, config, batch, args.steps, args.warmup))
-        r0 = results[0]
-        ah_s, dt_s = _slowest_rank(results, "ah"), _slowest_rank(results, "dt")
-        ah_ms, dt_ms = statistics.median(ah_s) * 1e3, statistics.median(dt_s) * 1e3
-        paired = statistics.median(a / d for a, d in zip(ah_s, dt_s))
-        spread = (min(ah_s) * 1e3, max(ah_s) * 1e3, min(dt_s) * 1e3, max(dt_s) * 1e3)
-        eager_ms = statistics.median(r0["eager"]) * 1e3
-        diff = max(abs(a - d) for a, d in zip(r0["ah_loss"], r0["dt_loss"]))
-        rows.append((name, f"tp{args.world} vs DTensor", ah_ms, dt_ms, paired, eager_ms, diff))
-        split = r0["ah_split"]
-        outside = [p for p in split if not p.startswith("blocks.")]
-        block0 = [p[len("blocks.0."):] for p in split if p.startswith("blocks.0.")]
-        print(f"{name}: autohybrid plan {r0['mesh']}, {len(split)} split parameters: "
-              f"{', '.join(outside)}; per block {', '.join(block0)}")
-        print(f"  step-0 loss: autohybrid {r0['ah_loss'][0]:.7f}  DTensor "
-              f"{r0['dt_loss'][0]:.7f}  eager {r0['eager_loss'][0]:.7f}; "
-              f"last: {r0['ah_loss'][-1]:.7f} / {r0['dt_loss'][-1]:.7f} / "
-              f"{r0['eager_loss'][-1]:.7f}; max |autohybrid − DTensor| over "
-              f"{len(r0['ah_loss'])} steps {diff:.1e}")
-        print(f"  step ms min–max: autohybrid {spread[0]:.1f}–{spread[1]:.1f}, DTensor "
-              f"{spread[2]:.1f}–{spread[3]:.1f}; load average {os.getloadavg()[0]:.1f}",
-              flush=True)
-
-    for name, config, batch in PP_CONFIGS:
-        results = ah.launch(run_pp_rank, ah.Cluster.local(args.world),
-                            args=(args.world, config, batch, args.steps, args.warmup))
-        r0, rl = results[0], results[-1]  # the last stage's rank holds pipeline()'s loss
-        ah_s, dt_s = _slowest_rank(results, "ah"), _slowest_rank(results, "dt")
-        ah_ms, dt_ms = statistics.median(ah_s) * 1e3, statistics.median(dt_s) * 1e3
-        paired = statistics.median(a / d for a, d in zip(ah_s, dt_s))
-        eager_ms = statistics.median(r0["eager"]) * 1e3
-        diff = max(abs(a - d) for a, d in zip(rl["ah_loss"], rl["dt_loss"]))
-        layout = f"pp{args.world} 1f1b vs pipeline()"
-        rows.append((name, layout, ah_ms, dt_ms, paired, eager_ms, diff))
-        print(f"{name}: autohybrid plan {r0['mesh']}, stage boundaries pinned to pipeline()'s "
-              f"split {list(r0['boundaries'])}")
-        print(f"  step-0 loss: autohybrid {rl['ah_loss'][0]:.7f}  pipeline() "
-              f"{rl['dt_loss'][0]:.7f}  eager {r0['eager_loss'][0]:.7f}; "
-              f"last: {rl['ah_loss'][-1]:.7f} / {rl['dt_loss'][-1]:.7f} / "
-              f"{r0['eager_loss'][-1]:.7f}; max |autohybrid − pipeline()| over "
-              f"{len(rl['ah_loss'])} steps {diff:.1e}")
-        print(f"  step ms min–max: autohybrid {min(ah_s) * 1e3:.1f}–{max(ah_s) * 1e3:.1f}, "
-              f"pipeline() {min(dt_s) * 1e3:.1f}–{max(dt_s) * 1e3:.1f}; load average "
-              f"{os.getloadavg()[0]:.1f}", flush=True)
+    make = {"tp": tp_rows, "pp": pp_rows, "dp": dp_rows}
+    rows = [row for layout in args.layouts
+            for row in make[layout](args.world, args.steps, args.warmup)]
 
     print(f"\nmedian of {args.steps} steps after {args.warmup} warm-up, slowest rank per step; "
-          f"ratio = autohybrid / baseline (DTensor or hand-written pipeline()) medians (goal "
-          f"<= 1.0, first bar <= 1.10); paired = median of per-step ratios; eager: one "
-          f"process, one thread")
-    print(f"{'model':>27} {'layout':>24} {'ranks':>5} {'autohybrid ms':>14} "
-          f"{'baseline ms':>12} {'ratio':>6} {'paired':>7} {'eager 1-proc ms':>16} "
-          f"{'loss diff':>10}")
-    for name, layout, ah_ms, dt_ms, paired, eager_ms, diff in rows:
-        print(f"{name:>27} {layout:>24} {args.world:>5} {ah_ms:>14.1f} {dt_ms:>12.1f} "
-              f"{ah_ms / dt_ms:>6.2f} {paired:>7.2f} {eager_ms:>16.1f} {diff:>10.1e}")
+          f"ratio = autohybrid / baseline medians (goal <= 1.0, first bar <= 1.10); paired = "
+          f"median of per-step ratios; busiest CPU = busiest rank's CPU time per step, "
+          f"autohybrid / baseline medians; eager: one process, one thread (SGD for tp/pp, "
+          f"AdamW for dp); load average {os.getloadavg()[0]:.1f} at the end")
+    print(f"{'model':>27} {'layout':>34} {'ranks':>5} {'autohybrid ms':>14} "
+          f"{'baseline ms':>12} {'ratio':>6} {'paired':>7} {'busiest CPU':>12} "
+          f"{'eager 1-proc ms':>16} {'loss diff':>10}")
+    for name, layout, s, eager_ms in rows:
+        print(f"{name:>27} {layout:>34} {args.world:>5} {s['ah_ms']:>14.1f} {s['dt_ms']:>12.1f} "
+              f"{s['ah_ms'] / s['dt_ms']:>6.2f} {s['paired']:>7.2f} {s['cpu']:>12.2f} "
+              f"{eager_ms:>16.1f} {s['diff']:>10.1e}")
 
 
 if __name__ == "__main__":

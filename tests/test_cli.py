@@ -75,11 +75,12 @@ def test_plan_json_and_out(tmp_path) -> None:
 @pytest.mark.timeout(90)
 def test_plan_constrain_is_applied_and_text_report(capsys) -> None:
     code, out, err = _main(capsys, "plan", "gpt-tiny", "--cluster", "local:2",
-                           "--global-batch", "8", "--constrain", "num_microbatches=2,zero=1",
-                           "--json")
+                           "--global-batch", "8", "--constrain",
+                           "num_microbatches=2,zero=1,collective_algorithm=hierarchical", "--json")
     assert code == 0, err
     plan = ah.Plan.from_json(out)
     assert plan.num_microbatches == 2 and plan.zero == 1 and not plan.executable
+    assert plan.collective_algorithm == "hierarchical"
     code, out, err = _main(capsys, "plan", "gpt-tiny", "--cluster", "local:2",
                            "--global-batch", "8")
     assert code == 0, err

@@ -60,13 +60,17 @@ def _check_plan(fails: Failures, case: str, compiled, pp: int, schedule: str, v:
 
 # ============================================================================ schedules
 def _schedules_rank(rank: int, world: int) -> list[str]:
-    """Each schedule on each model: 2 steps, alternating SGD and AdamW (each model meets
+    """Each schedule on each model at pp 2 (at pp 4 on gpt-tiny, whose tied weights span
+    the first and last stage, and on llama-tiny or mlp in turn; tests/test_matrix.py pairs
+    every schedule with the rest): 2 steps, alternating SGD and AdamW (each model meets
     both), 2 samples per microbatch."""
     fails = Failures()
     pp = world
     for i, (schedule, v, m2, m4) in enumerate(SCHEDULES):
         m = m2 if pp == 2 else m4
-        for j, name in enumerate(("gpt-tiny", "llama-tiny", "mlp-tiny")):
+        names = (("gpt-tiny", "llama-tiny", "mlp-tiny") if pp == 2
+                 else ("gpt-tiny", ("llama-tiny", "mlp-tiny")[i % 2]))
+        for j, name in enumerate(names):
             optimizer = ("sgd", "adamw")[(i + j) % 2]
             case = f"{name}/{optimizer}/pp{pp} {schedule}×{v} m={m}"
             batches = zoo_batches(name, 2 * m, steps=2)

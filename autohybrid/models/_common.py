@@ -15,8 +15,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-#: Standard deviation of the GPT-2 style normal initialization.
-INIT_STD = 0.02
+from ..init import INIT_RULE_ATTR, INIT_STD, TransformerRule  # INIT_STD: re-exported
 
 
 def factory_kwargs(device: torch.device | str | None, dtype: torch.dtype | None) -> dict[str, Any]:
@@ -74,39 +73,29 @@ def init_transformer_(module: nn.Module, std: float = INIT_STD,
                       residual_std: float | None = None) -> None:
     """GPT-2 style initialization, in place, in module order (deterministic under a seed).
 
-    Linear and Embedding weights ~ N(0, std), biases zero, norm weights one (biases zero).
-    Linear layers flagged with ``_ah_residual_proj = True`` (the projections that write
-    into the residual stream) get ``residual_std`` instead when given (GPT-2's
-    ``0.02 / sqrt(2 * layers)``). A tensor shared by several modules (tied embeddings) is
-    initialized once, by the first module that owns it. Does nothing on the meta device.
+    The rule is `autohybrid.init.TransformerRule(std, residual_std)`: Linear and Embedding
+    weights ~ N(0, std), biases zero, norm weights one (biases zero); Linear layers
+    flagged with ``_ah_residual_proj = True`` (the projections that write into the
+    residual stream) get ``residual_std`` instead when given (GPT-2's
+    ``0.02 / sqrt(2 * layers)``). The rule is recorded on ``module`` (``_ah_init_rule``),
+    so ``autohybrid.init.materialize`` of a meta model draws the same distributions with
+    its seeded, shardable values. A tensor shared by several modules (tied embeddings) is
+    initialized once, by the first module that owns it. Draws nothing on the meta device.
     """
+    rule = TransformerRule(std, residual_std)
+    setattr(module, INIT_RULE_ATTR, rule)
     if is_meta(module):
         return
     seen: set[int] = set()
-
-    def fresh(t: torch.Tensor | None) -> bool:
-        if t is None or id(t) in seen:
-            return False
-        seen.add(id(t))
-        return True
-
     with torch.no_grad():
-        for m in module.modules():
-            if isinstance(m, nn.Linear):
-                s = residual_std if (residual_std is not None
-                                     and getattr(m, "_ah_residual_proj", False)) else std
-                if fresh(m.weight):
-                    m.weight.normal_(0.0, s)
-                if fresh(m.bias):
-                    m.bias.zero_()
-            elif isinstance(m, nn.Embedding):
-                if fresh(m.weight):
-                    m.weight.normal_(0.0, std)
-            elif isinstance(m, (nn.LayerNorm, RMSNorm)):
-                if fresh(getattr(m, "weight", None)):
-                    m.weight.fill_(1.0)
-                if fresh(getattr(m, "bias", None)):
-                    m.bias.zero_()
+        for mname, m in module.named_modules():
+            for pname, p in m.named_parameters(recurse=False):
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                spec = rule(mname, m, pname, p)
+                if spec is not None:
+                    spec.draw_(p)
 
 
 def residual_std_for(layers: int, std: float = INIT_STD) -> float:

@@ -9,6 +9,11 @@ import torch.distributed as dist
 
 from ..errors import RuntimeFailure
 
+#: torch 2.13 renames the tensor forms of these collectives (the old names warn)
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
+                         or dist.reduce_scatter_tensor)
+
 _GROUPS: dict[str, dist.ProcessGroup | None] = {}
 
 
@@ -34,3 +39,15 @@ def size(axis: str) -> int:
 
 def clear() -> None:
     _GROUPS.clear()
+
+
+def snapshot() -> dict[str, dist.ProcessGroup | None]:
+    """The bindings now (a compiled model keeps its own: runtime/groups.build_mesh)."""
+    return dict(_GROUPS)
+
+
+def restore(bindings: dict[str, dist.ProcessGroup | None]) -> None:
+    """Bind exactly `bindings` (a compiled model does before it runs its graphs, so that
+    two models with different meshes in one process each use their own groups)."""
+    _GROUPS.clear()
+    _GROUPS.update(bindings)

@@ -58,7 +58,7 @@ def _gathered_shape(x: torch.Tensor, dim: int, n: int) -> list[int]:
 def _all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     src = x.movedim(dim, 0).contiguous()
     out = src.new_empty(_gathered_shape(src, 0, dist.get_world_size(group)))
-    dist.all_gather_into_tensor(out, src, group=group)
+    groups.all_gather_single(out, src, group=group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -67,7 +67,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup, axis: s
     src = x.movedim(dim, 0).contiguous()
     n = dist.get_world_size(group)
     out = src.new_empty(_shard_shape(src, 0, n, "sp_reduce_scatter", axis))
-    dist.reduce_scatter_tensor(out, src, group=group)
+    groups.reduce_scatter_single(out, src, group=group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -193,7 +193,7 @@ def tp_sum_replicas(x: torch.Tensor, ways: int, axis: str) -> torch.Tensor:
     step = n // ways
     src = x.reshape(1, -1).contiguous()
     parts = src.new_empty((n, src.shape[1]))
-    dist.all_gather_into_tensor(parts, src, group=group)
+    groups.all_gather_single(parts, src, group=group)
     first = dist.get_rank(group) // step * step
     return parts[first:first + step].sum(0).view(x.shape)
 

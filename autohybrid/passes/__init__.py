@@ -5,7 +5,9 @@ must see the rewritten outputs; `sync_batch_norm` after it, since it depends onl
 data-parallel axis; `tensor_parallel` then splits the graph over the tp axis (it sees the
 loss already as a sum, so the vocabulary-parallel loss keeps it one); `sequence_parallel`
 then turns its f/g pairs into all-gather/reduce-scatter and slices the regions between
-them by sequence; `pipeline_split` last cuts the finished rank-local graph into stages (so
+them by sequence; `zero` (ZeRO-3 only) then makes parameters dp shards gathered by each
+layer before use, on the finished tp-local graph and before the stages are cut, so each
+gather lands in the stage of its layer; `pipeline_split` last cuts the finished rank-local graph into stages (so
 a stage's graph carries its tp/sp collectives and sends tp-local activations);
 `recompute` after it wraps the blocks (or attention cores) of the graph and of every stage
 in checkpointed submodules, so it sees the final per-rank and per-stage graphs. Later
@@ -20,16 +22,18 @@ from .pipeline_split import pipeline_split
 from .recompute import recompute
 from .sequence_parallel import sequence_parallel
 from .tensor_parallel import tensor_parallel
+from .zero import zero
 
 REGISTRY: dict[str, Pass] = {
     "global_loss": global_loss,
     "sync_batch_norm": sync_batch_norm,
     "tensor_parallel": tensor_parallel,
     "sequence_parallel": sequence_parallel,
+    "zero": zero,
     "pipeline_split": pipeline_split,
     "recompute": recompute,
 }
-ORDER = ("global_loss", "sync_batch_norm", "tensor_parallel", "sequence_parallel",
+ORDER = ("global_loss", "sync_batch_norm", "tensor_parallel", "sequence_parallel", "zero",
          "pipeline_split", "recompute")
 
 

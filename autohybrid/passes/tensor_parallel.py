@@ -75,17 +75,27 @@ class ShardSpec:
 
     def local(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of the full parameter (a new tensor)."""
+        return self.local_from(lambda index: full[index], full.dim())
+
+    def local_from(self, read, ndim: int) -> torch.Tensor:
+        """This rank's shard from `read(index)`, which returns `full[index]` for a tuple
+        of slices: only the rows (or columns) this rank holds are read (sharded
+        materialization reads them from the seeded initialization, autohybrid/init.py)."""
         block = self.size // self.chunks
-        pieces = full.split(block, self.dim)
+        width = self.padded // self.chunks // self.ways
+        lo = self.index * width
         out = []
-        for piece in pieces:
-            pad = self.padded // self.chunks - block
+        for c in range(self.chunks):  # this rank's piece of each block; padding is zeros
+            start, stop = c * block + min(lo, block), c * block + min(lo + width, block)
+            index = [slice(None)] * ndim
+            index[self.dim] = slice(start, stop)
+            piece = read(tuple(index))
+            pad = width - (stop - start)
             if pad:
                 shape = list(piece.shape)
                 shape[self.dim] = pad
                 piece = torch.cat([piece, piece.new_zeros(shape)], self.dim)
-            width = piece.shape[self.dim] // self.ways
-            out.append(piece.narrow(self.dim, self.index * width, width))
+            out.append(piece)
         return torch.cat(out, self.dim).clone()
 
     def gather(self, shards: list[torch.Tensor]) -> torch.Tensor:
@@ -351,6 +361,10 @@ class _Rewriter:
         reduction = kw.get("reduction", 1)
         ignore = kw.get("ignore_index", -100)
         with self.graph.inserting_before(node):
+            wanted = node.meta[VAL].dtype
+            if logits.meta[VAL].dtype != wanted:  # under autocast the loss runs in fp32
+                logits = self.call(aten._to_copy.default, (logits,), {"dtype": wanted},
+                                   like=node)
             both = self.call(ah_ops.vocab_parallel_cross_entropy.default,
                              (logits, target, start, size, ignore, smoothing, AXIS), like=node)
             loss = self.call(operator.getitem, (both, 0), like=node)

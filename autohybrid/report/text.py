@@ -68,7 +68,7 @@ def explain(compiled: Any) -> str:
                      f"loss kind {notes.get('loss_kind', '-')}")
     sharded = getattr(compiled, "sharded", None)
     if sharded is not None:
-        mine = sum(p.numel() for p in compiled._unique_params())
+        mine = sum(p.numel() for p in compiled._trained_params().values())
         whole = sum(p.numel() for p in compiled.model.parameters())
         padded = sorted(n for n, s in sharded.specs.items() if s.padded != s.size)
         fused = sorted(n for n, s in sharded.specs.items() if s.chunks > 1)
@@ -85,10 +85,25 @@ def explain(compiled: Any) -> str:
         lines += [f"  {stage.describe()}" for stage in split.stages]
         if split.shared_params:
             lines.append(f"  gradients summed across stages (tied weights): {split.shared_params}")
+    zero = getattr(compiled, "zero", None)
+    if zero is not None:
+        held = zero.held_bytes()
+        gathers = max((n.get("zero_gathers", 0) for n in compiled.notes.values()), default=0)
+        how = {1: "optimizer state sharded; gradients reduce-scattered in the last backward, "
+                  "parameters all-gathered after each step",
+               2: "optimizer state and gradients sharded (buckets reduce-scattered every "
+                  "microbatch); parameters all-gathered after each step",
+               3: f"parameters, gradients and optimizer state sharded: "
+                  f"{gathers} per-layer gathers in the graph, gradients reduce-scattered in "
+                  "backward"}
+        lines.append(f"ZeRO-{zero.stage} over dp = {plan.mesh.dp}: {how[zero.stage]}; this "
+                     f"rank's shards hold {held['shards']:,} bytes")
     reducer = compiled.executor.reducer
     sizes = [sum(p.numel() * p.element_size() for p in b.params) for b in reducer.buckets]
     when = ("after the schedule's step" if plan.mesh.pp > 1
             else "as each bucket's gradients become ready")
-    lines.append(f"gradient buckets: {len(sizes)} (bytes {sizes}), all-reduced over dp = "
-                 f"{plan.mesh.dp} {when}")
+    verb = "reduce-scattered" if reducer.shards is not None else "all-reduced"
+    if sizes:
+        lines.append(f"gradient buckets: {len(sizes)} (bytes {sizes}), {verb} over dp = "
+                     f"{plan.mesh.dp} {when}")
     return "\n".join(lines)

@@ -248,9 +248,12 @@ def _check(train: CapturedGraph, gm: fx.GraphModule, notes: dict[str, Any], plan
     expected_memory = training_state(elements, plan.dtype, plan.optimizer, plan.zero,
                                      plan.mesh.dp).params
     counts = Counter()
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and op_name(node).startswith("autohybrid."):
-            counts[op_name(node).split(".")[1]] += 1
+    for sub in gm.modules():  # recomputed regions are submodules
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        for node in sub.graph.nodes:
+            if node.op == "call_function" and op_name(node).startswith("autohybrid."):
+                counts[op_name(node).split(".")[1]] += 1
     biggest = lambda shapes: max(shapes.items(), key=lambda kv: (math.prod(kv[1]), kv[0]))
     return DryRunReport(
         plan=plan, plan_note=note, rank=rank, coords=plan.mesh.coords(rank),
@@ -306,7 +309,9 @@ def run_preset(name: str = "gpt3-175b", cluster: Cluster | None = None, *, rank:
                global_batch: int = 1536, tp: int = 8, seq: int | None = None,
                dtype: torch.dtype = torch.bfloat16) -> DryRunReport:
     """The dry run of a language-model preset (built on meta in `dtype`), tp pinned,
-    pp=1, sp=False; the inputs are one sequence (batch and sequence are symbolic)."""
+    pp=1, sp=False, ZeRO 2 (the optimizer state and gradients sharded over dp, the tp
+    program's parameters whole on each rank); the inputs are one sequence (batch and
+    sequence are symbolic)."""
     from ..models import presets
 
     config = presets.get_preset(name)
@@ -317,7 +322,7 @@ def run_preset(name: str = "gpt3-175b", cluster: Cluster | None = None, *, rank:
     ids = torch.zeros(1, seq, dtype=torch.long, device="meta")
     return dry_run(model, cluster, (ids,), lm_loss, (ids,), rank=rank,
                    global_batch=global_batch,
-                   constraints=Constraints(tp=tp, pp=1, sp=False))
+                   constraints=Constraints(tp=tp, pp=1, sp=False, zero=2))
 
 
 def main(argv: list[str] | None = None) -> int:

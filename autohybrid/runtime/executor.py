@@ -7,6 +7,17 @@ through its stages under the Plan's schedule: runtime/pipeline.py), and
 backward-propagates the loss numerator (see passes/global_loss.py). The reducer all-reduces gradient buckets during
 the last backward; gradients are then scaled by 1 / Σ denominators, which gives exactly
 the gradients of eager's loss on the whole batch.
+
+With ZeRO (runtime/zero.py) the optimizer steps this rank's flat shards: ZeRO-1
+reduce-scatters the buckets into them during the last backward (whole gradients
+accumulate until then), ZeRO-2 during every microbatch's backward, ZeRO-3 graphs
+reduce-scatter in backward and run forward with gathered parameters released for
+backward (ops/zero.py).
+
+Mixed precision (runtime/precision.py): the programs run under autocast themselves
+(capture.py); with fp16 loss scaling the numerator is multiplied by the scale before
+backward, the gradients divided by it with the 1/Σ denominators, and `StepResult.found_inf`
+says whether any rank's gradients overflowed (the step is then skipped everywhere).
 """
 from __future__ import annotations
 
@@ -19,8 +30,12 @@ import torch.distributed as dist
 
 from ..capture import CapturedGraph
 from ..errors import AutohybridError
+from ..ops.groups import all_gather_single
+from ..ops.zero import release_gathered
 from ..plan import Plan
+from .precision import LossScaler, any_nonfinite
 from .reducer import GradReducer
+from .zero import ZeroShards
 
 if TYPE_CHECKING:  # pipeline.py imports this module's tree helper
     from .pipeline import PipelineRunner
@@ -31,18 +46,31 @@ class StepResult:
     loss: torch.Tensor
     numerator: torch.Tensor
     denominator: torch.Tensor
+    found_inf: bool = False
 
 
 class Executor:
     """The per-rank runtime of a data-parallel plan over captured graphs."""
 
     def __init__(self, plan: Plan, rank: int, dp_rank: int, dp_group: dist.ProcessGroup | None,
-                 state: dict[str, torch.Tensor], params: list[torch.nn.Parameter]):
+                 state: dict[str, torch.Tensor], params: list[torch.nn.Parameter],
+                 zero: ZeroShards | None = None, scaler: LossScaler | None = None):
         self.plan, self.rank, self.dp_rank, self.dp_group = plan, rank, dp_rank, dp_group
         self.state = state
         self.params = params
-        self.reducer = GradReducer(params, dp_group, int(plan.bucket_mb * 2**20))
+        self.zero = zero
+        self.scaler = scaler  # fp16 loss scaling
+        stage = zero.stage if zero is not None else 0
+        shards = ({id(p): zero.shard_for(p) for p in params} if stage in (1, 2) else None)
+        # ZeRO-3 gradients arrive reduced (the graphs' gathers reduce-scatter them)
+        reduce_dtype = getattr(torch, plan.grad_reduce_dtype) if plan.grad_reduce_dtype else None
+        self.reducer = GradReducer(params if stage < 3 else [], dp_group,
+                                   int(plan.bucket_mb * 2**20), shards=shards,
+                                   reduce_dtype=reduce_dtype)
         self.last_backward_end: float | None = None
+        #: called as `hook(m)` after microbatch m's backward (and its ZeRO-2 gradient
+        #: collection) when no pipeline runs: what tests inspect between microbatches
+        self.microbatch_hooks: list = []
 
     @property
     def dp(self) -> int:
@@ -68,16 +96,20 @@ class Executor:
                          inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
                          local: bool, pipeline: PipelineRunner | None = None) -> StepResult:
         """Gradients of eager's loss on the global batch (summed over dp, scaled)."""
+        loss_scale = None
+        if self.scaler is not None:  # eager back-propagates scale × (numerator / count)
+            loss_scale = self.scaler.scale / self._global_count(targets or inputs, local,
+                                                                loss_kind)
         if not local:
             inputs = self.local_slice(inputs, "inputs")
             targets = self.local_slice(targets, "targets")
         if pipeline is not None:
-            numerator, denominator = pipeline.forward_backward(inputs, targets)
+            numerator, denominator = pipeline.forward_backward(inputs, targets, loss_scale)
             # this rank's gradients are complete: sum them over dp while the pp ranks
             # still in the schedule's cool-down finish theirs
             self.reducer.launch_pending()
         else:
-            numerator, denominator = self._microbatch_loop(program, inputs, targets)
+            numerator, denominator = self._microbatch_loop(program, inputs, targets, loss_scale)
         self.last_backward_end = time.perf_counter()
         totals = torch.stack([numerator.double(), denominator.double()])
         if pipeline is not None and pipeline.pp_group is not None:
@@ -91,24 +123,53 @@ class Executor:
             scale = torch.ones((), dtype=torch.float64)
             loss = totals[0]
         dtype = pipeline.loss_dtype if pipeline is not None else numerator.dtype
-        self.reducer.finish(scale.to(dtype))
+        grad_scale = (scale / loss_scale if loss_scale is not None else scale).to(dtype)
+        self.reducer.finish(grad_scale)
+        stage = self.zero.stage if self.zero is not None else 0
+        if stage == 3:
+            self.zero.scale_grads(grad_scale)
         if pipeline is not None:  # (sums commute: tied weights after the dp sum and scale)
-            pipeline.sum_shared_grads()
-        return StepResult(loss=loss.to(dtype), numerator=numerator, denominator=denominator)
+            pipeline.sum_shared_grads(self.zero.shards if stage else None)
+        found_inf = False
+        if self.scaler is not None:
+            holders = self.zero.optimizer_params() if self.zero is not None else self.params
+            found_inf = any_nonfinite(p.grad for p in holders)
+        return StepResult(loss=loss.to(dtype), numerator=numerator, denominator=denominator,
+                          found_inf=found_inf)
+
+    def _global_count(self, tensors: Sequence[torch.Tensor], local: bool,
+                      loss_kind: str) -> float:
+        """For a mean loss, the elements of the global batch's first target (eager's
+        denominator without ignored entries): fp16 loss scaling back-propagates the
+        numerator over it, so gradients have eager's magnitudes (and overflow as eager's
+        do); the same number on every rank."""
+        if loss_kind != "mean":
+            return 1.0
+        count = torch.tensor(float(tensors[0].numel()), dtype=torch.float64)
+        if local and self.dp_group is not None and self.dp > 1:
+            dist.all_reduce(count, group=self.dp_group)
+        return max(float(count), 1.0)
 
     def _microbatch_loop(self, program: CapturedGraph, inputs: Sequence[torch.Tensor],
-                         targets: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                         targets: Sequence[torch.Tensor], loss_scale: float | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of each microbatch in turn; the dp reducer is armed for
         the last backward, so gradient buckets are summed while it runs."""
         micro_in = self.microbatches(inputs, "inputs")
         micro_tg = self.microbatches(targets, "targets")
         numerator = denominator = None
         count = len(micro_in)
+        stage = self.zero.stage if self.zero is not None else 0
         for m, (mb_in, mb_tg) in enumerate(zip(micro_in, micro_tg)):
-            if m == count - 1:
+            if m == count - 1 or stage == 2:
                 self.reducer.prepare()
-            num, den = program.run(self.state, mb_in, mb_tg)
-            num.backward()
+            with release_gathered(stage == 3):
+                num, den = program.run(self.state, mb_in, mb_tg)
+            (num if loss_scale is None else num * loss_scale).backward()
+            if stage == 2 and m < count - 1:
+                self.reducer.collect()
+            for hook in self.microbatch_hooks:
+                hook(m)
             numerator = num.detach() if numerator is None else numerator + num.detach()
             denominator = den.detach() if denominator is None else denominator + den.detach()
         return numerator, denominator
@@ -157,8 +218,7 @@ def gather_batch(t: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) ->
     padded = t.new_zeros((longest, *t.shape[1:]))
     padded[: t.shape[0]] = t.detach()
     out = t.new_empty((longest * len(sizes), *t.shape[1:]))
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, padded.contiguous(), group=group)
+    all_gather_single(out, padded.contiguous(), group=group)
     return torch.cat([out[i * longest: i * longest + s] for i, s in enumerate(sizes)])
 
 

@@ -11,8 +11,6 @@ from ..plan import Plan
 def unsupported(plan: Plan) -> list[str]:
     """Why the runtime cannot run `plan` yet (empty when it can)."""
     reasons = []
-    if plan.zero:
-        reasons.append(f"ZeRO stage {plan.zero} is not executable yet (ZeRO 0 only)")
     if plan.collective_algorithm != "flat":
         reasons.append(f"collective_algorithm={plan.collective_algorithm!r} is not executable yet")
     if plan.collective_matmul:

@@ -35,6 +35,7 @@ from torch.distributed import pipelining as tpp
 from ..capture import CapturedGraph
 from ..errors import AutohybridError, PlanError
 from ..graph import VAL
+from ..ops.zero import release_gathered
 from ..passes.pipeline_split import PipelineSplit, StageGraph
 from ..plan import Plan
 from .executor import tree_map
@@ -61,10 +62,12 @@ class StageModule(nn.Module):
     """
 
     def __init__(self, stage: StageGraph, state_args: Sequence[Any], batch_base: int,
-                 is_last: bool):
+                 is_last: bool, program: CapturedGraph, release: bool = False):
         super().__init__()
         self.graph_module = stage.gm
+        self.program = program  # for its autocast (mixed precision)
         self.is_last = is_last
+        self.release = release  # ZeRO-3: gathered parameters are not kept for backward
         self._local: list[tuple[str, Any]] = []
         for i in stage.local_placeholders:
             if i < batch_base:
@@ -79,7 +82,9 @@ class StageModule(nn.Module):
 
     def forward(self, *received: torch.Tensor, **batch: torch.Tensor) -> tuple:
         args = [*received] + [v if kind == "state" else batch[v] for kind, v in self._local]
-        outs = tuple(self.graph_module(*args))
+        with release_gathered(self.release and torch.is_grad_enabled()), \
+                self.program.autocast_context(args):
+            outs = tuple(self.graph_module(*args))
         if self.is_last:
             return outs
         # sent tensors must be contiguous (the receive buffers are) and not views (the
@@ -110,20 +115,25 @@ class PipelineRunner:
         state_args = program.flat_args(state, (), ())
         self.batch_base = len(state_args)
         last = plan.num_stages - 1
-        self.modules = {s: StageModule(split.stages[s], state_args, self.batch_base, s == last)
+        release = plan.zero == 3 and plan.mesh.dp > 1
+        self.modules = {s: StageModule(split.stages[s], state_args, self.batch_base, s == last,
+                                       program, release)
                         for s in self.stage_ids}
         self.has_last = last in self.stage_ids
         self._schedules: dict[tuple, Any] = {}
+        self._numerators: list[torch.Tensor] = []
         self._denominators: list[torch.Tensor] = []
+        self._loss_scale: float | None = None
         self._outputs = (program.user_outputs[0], program.user_outputs[-1])
         #: dtype of the loss the last stage computes (known on every rank)
         self.loss_dtype = split.stages[last].sent_vals[self._outputs[0]].dtype
 
-    def sum_shared_grads(self) -> None:
+    def sum_shared_grads(self, holders: dict[str, torch.Tensor] | None = None) -> None:
         """Sum the gradients of parameters read by stages on several pp ranks (tied
-        embedding and output weights) over those ranks: each holds its stages' part."""
+        embedding and output weights) over those ranks: each holds its stages' part.
+        `holders`: where the gradients are when not on the parameters (ZeRO shards)."""
         for name, group in self.shared_groups.items():
-            param = self.state[name]
+            param = (holders or self.state)[name]
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, group=group)
@@ -131,8 +141,9 @@ class PipelineRunner:
     # ------------------------------------------------------------------ schedules
     def _loss(self, output: tuple, target: Any) -> torch.Tensor:
         numerator, denominator = (output[i] for i in self._outputs)
+        self._numerators.append(numerator.detach())
         self._denominators.append(denominator.detach())
-        return numerator
+        return numerator if self._loss_scale is None else numerator * self._loss_scale
 
     def _schedule(self, micro: list[list[torch.Tensor]]):
         key = tuple((tuple(t.shape), t.dtype) for t in micro[0])
@@ -161,20 +172,21 @@ class PipelineRunner:
         return cls(stages[0], n_microbatches=m, loss_fn=self._loss, scale_grads=False)
 
     # ------------------------------------------------------------------ running
-    def forward_backward(self, inputs: Sequence[torch.Tensor],
-                         targets: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_backward(self, inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
+                         loss_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One schedule step on this rank's batch; (Σ numerators, Σ denominators) of the
-        microbatches on the last stage's rank, zeros elsewhere."""
+        microbatches on the last stage's rank, zeros elsewhere. `loss_scale` multiplies
+        what is back-propagated (fp16 loss scaling), not the numerators returned."""
         batch = [*inputs, *targets]
         micro = self._microbatches(batch)
         schedule = self._schedule(micro)
-        self._denominators = []
-        losses: list[torch.Tensor] = []
+        self._numerators, self._denominators = [], []
+        self._loss_scale = loss_scale
         kwargs = {f"b{j}": t for j, t in enumerate(batch)}
         dummy = torch.zeros(batch[0].shape[0], device=self.device)  # the loss reads no target
-        schedule.step(*inputs, target=dummy, losses=losses, return_outputs=False, **kwargs)
+        schedule.step(*inputs, target=dummy, return_outputs=False, **kwargs)
         if self.has_last:
-            numerator = torch.stack([l.detach().double() for l in losses]).sum()
+            numerator = torch.stack([n.double() for n in self._numerators]).sum()
             denominator = torch.stack([d.double() for d in self._denominators]).sum()
         else:
             numerator = denominator = torch.zeros((), dtype=torch.float64, device=self.device)

@@ -10,6 +10,13 @@ A parameter without a gradient (frozen, or not used by the loss) has none on eve
 since every rank runs the same graph, and keeps none, as in eager (an optimizer must not
 see a zero gradient: weight decay would still move it); its bucket carries zeros so that
 all ranks issue the same collectives.
+
+With ZeRO-1/2 (`shards` given: runtime/zero.py) a bucket is reduce-scattered instead,
+laid out as ops/zero.py's `(dp, Σc)` shards, the whole gradients are dropped as soon as
+the bucket is launched, and `collect` adds each rank's part to its shard parameters'
+gradients. For ZeRO-2 the executor arms the reducer for every microbatch, so no whole
+gradient outlives its microbatch's backward; ZeRO-1 accumulates whole gradients and
+reduce-scatters in the last backward only (one collective per bucket per step).
 """
 from __future__ import annotations
 
@@ -19,6 +26,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..ops.groups import reduce_scatter_single
+from ..ops.zero import chunk, scatter_layout
+
 
 @dataclass
 class Bucket:
@@ -26,6 +36,7 @@ class Bucket:
     ready: int = 0
     flat: torch.Tensor | None = None
     work: object | None = None
+    has_grad: list[bool] = field(default_factory=list)
 
 
 @dataclass
@@ -40,6 +51,8 @@ class GradReducer:
     params: list[torch.nn.Parameter]
     group: dist.ProcessGroup | None
     bucket_bytes: int
+    shards: dict[int, torch.nn.Parameter] | None = None   # ZeRO-1/2: id(param) → shard
+    reduce_dtype: torch.dtype | None = None   # cast buckets to it for the collective
     buckets: list[Bucket] = field(default_factory=list)
     events: list[LaunchEvent] = field(default_factory=list)
     active: bool = False
@@ -84,10 +97,22 @@ class GradReducer:
 
     def _launch(self, index: int) -> None:
         bucket = self.buckets[index]
+        bucket.has_grad = [p.grad is not None for p in bucket.params]
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        bucket.flat = torch.cat([g.reshape(-1) for g in grads])
-        if self.world > 1:
-            bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+        if self.reduce_dtype is not None:
+            grads = [g.to(self.reduce_dtype) for g in grads]
+        if self.shards is None:
+            bucket.flat = torch.cat([g.reshape(-1) for g in grads])
+            if self.world > 1:
+                bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+        else:
+            flat = scatter_layout(grads, self.world)
+            bucket.flat = flat if self.world == 1 else flat.new_empty(flat.numel() // self.world)
+            if self.world > 1:
+                bucket.work = reduce_scatter_single(bucket.flat, flat, group=self.group,
+                                                    async_op=True)
+            for p in bucket.params:  # the bucket holds them now
+                p.grad = None
         self.events.append(LaunchEvent(index, time.perf_counter(), self._pending))
 
     def launch_pending(self) -> None:
@@ -99,6 +124,14 @@ class GradReducer:
     def finish(self, scale: float | torch.Tensor) -> None:
         """Launch buckets whose gradients never arrived, wait for all, write back × scale."""
         self.launch_pending()
+        if self.shards is not None:
+            self.collect()
+            for p in self.params:
+                shard = self.shards[id(p)]
+                if shard.grad is not None:
+                    shard.grad.mul_(scale)
+            self.active = False
+            return
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
@@ -106,10 +139,28 @@ class GradReducer:
             for p in bucket.params:
                 n = p.numel()
                 if p.grad is not None:  # frozen or unused: no gradient, as in eager
-                    p.grad.copy_(bucket.flat[offset:offset + n].view_as(p).mul_(scale))
+                    p.grad.copy_(bucket.flat[offset:offset + n].view_as(p).mul(scale))
                 offset += n
             bucket.flat, bucket.work = None, None  # the next step starts from its own grads
         self.active = False
+
+    def collect(self) -> None:
+        """ZeRO-1/2: add the launched buckets' reduced parts to the shard gradients."""
+        for bucket in self.buckets:
+            if bucket.flat is None:
+                continue
+            if bucket.work is not None:
+                bucket.work.wait()
+            sizes = [chunk(p.numel(), self.world) for p in bucket.params]
+            for p, has, part in zip(bucket.params, bucket.has_grad, bucket.flat.split(sizes)):
+                shard = self.shards[id(p)]
+                if not has:  # frozen or unused: no gradient, as in eager
+                    continue
+                if shard.grad is None:
+                    shard.grad = part.to(shard.dtype, copy=True)
+                else:
+                    shard.grad.add_(part)
+            bucket.flat, bucket.work = None, None
 
     def remove(self) -> None:
         for handle in self._handles:

@@ -19,7 +19,9 @@ from ..passes.tensor_parallel import ShardSpec
 
 class ShardedParameters:
     def __init__(self, model: nn.Module, specs: dict[str, ShardSpec],
-                 group: dist.ProcessGroup | None, tp: int):
+                 group: dist.ProcessGroup | None, tp: int, materialize=None):
+        """`materialize(name, spec)`: this rank's shard of a meta model's parameter
+        (sharded materialization), or None to leave it unallocated (meta)."""
         self.specs, self.group, self.tp = dict(specs), group, tp
         self.local: dict[str, nn.Parameter] = {}
         canonical = {id(p): name for name, p in model.named_parameters()}
@@ -27,8 +29,15 @@ class ShardedParameters:
                       for key, p in model.named_parameters(remove_duplicate=False)}
         for name, spec in specs.items():
             full = model.get_parameter(name)
-            self.local[name] = nn.Parameter(spec.local(full.detach()),
-                                            requires_grad=full.requires_grad)
+            if full.is_meta:
+                local = materialize(name, spec) if materialize is not None else None
+                if local is None:
+                    shape = list(full.shape)
+                    shape[spec.dim] = spec.shard_size
+                    local = full.new_empty(shape)
+            else:
+                local = spec.local(full.detach())
+            self.local[name] = nn.Parameter(local, requires_grad=full.requires_grad)
 
     def check_same(self, specs: dict[str, ShardSpec], what: str) -> None:
         """Graphs rewritten later (the training graph after a forward one) must cut the
@@ -59,40 +68,50 @@ class ShardedParameters:
         step = self.tp // spec.ways  # ranks holding the same shard index (kv replicas)
         return spec.gather([parts[i * step] for i in range(spec.ways)])
 
-    def full_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+    def full_state(self, model: nn.Module,
+                   local: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Whole parameters and buffers; `local` overrides this rank's (tp-local) value of
+        a parameter by canonical name (ZeRO gathers them from its dp shards)."""
+        local = local or {}
         out = {}
         for key, value in model.state_dict(keep_vars=True).items():
             name = self.alias.get(key, key)
-            out[key] = (self.full(name, self.local[name]) if name in self.local
-                        else value.detach().clone())
+            mine = local.get(name, self.local.get(name))
+            if name in self.local:
+                out[key] = self.full(name, mine)
+            else:
+                out[key] = (mine if mine is not None else value).detach().clone()
         return out
 
-    def full_grads(self, model: nn.Module) -> dict[str, torch.Tensor | None]:
+    def full_grads(self, model: nn.Module, local: dict[str, torch.Tensor | None] | None = None
+                   ) -> dict[str, torch.Tensor | None]:
+        """Whole gradients; `local` overrides this rank's gradients by canonical name."""
         out = {}
         for key, p in model.named_parameters(remove_duplicate=False):
             name = self.alias.get(key, key)
-            if name in self.local:
-                grad = self.local[name].grad
-                out[key] = None if grad is None else self.full(name, grad)
+            if local is not None and name in local:
+                grad = local[name]
             else:
-                out[key] = None if p.grad is None else p.grad.detach().clone()
+                grad = self.local[name].grad if name in self.local else p.grad
+            if grad is None:
+                out[key] = None
+            else:
+                out[key] = self.full(name, grad) if name in self.local else grad.detach().clone()
         return out
 
-    def squared_norm(self, params: list[nn.Parameter],
-                     weights: dict[int, float] | None = None) -> torch.Tensor:
-        """Σ g² over the whole model's gradients: shards summed over the tp group (kv
-        replicas counted once), the rest once (every tp rank holds the same); each
-        parameter's term times `weights[id(param)]` (default 1)."""
+    def squared_norm(self, squares: dict[str, torch.Tensor],
+                     weights: dict[str, float] | None = None) -> torch.Tensor:
+        """Σ g² over the whole model from each parameter's local Σ g² (`squares`, by
+        canonical name): shards summed over the tp group (kv replicas counted once), the
+        rest once (every tp rank holds the same); each term times `weights[name]`
+        (default 1)."""
         weights = weights or {}
-        shards = {id(p): name for name, p in self.local.items()}
         split = torch.zeros((), dtype=torch.float64)
         whole = torch.zeros((), dtype=torch.float64)
-        for p in params:
-            if p.grad is None:
-                continue
-            sq = p.grad.detach().double().pow(2).sum() * weights.get(id(p), 1.0)
-            if id(p) in shards:
-                spec = self.specs[shards[id(p)]]
+        for name, sq in squares.items():
+            sq = sq * weights.get(name, 1.0)
+            if name in self.specs:
+                spec = self.specs[name]
                 split = split + sq * spec.ways / self.tp
             else:
                 whole = whole + sq

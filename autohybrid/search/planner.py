@@ -98,7 +98,8 @@ def search(profile: ModelProfile, cluster, request: PlanRequest,
                     continue
                 priced = price(profile, cluster, layout, request.seq, request.dtype,
                                request.graph_dtype_bytes, request.optimizer,
-                               request.global_batch, cache, stage_starts=starts)
+                               request.global_batch, cache, stage_starts=starts,
+                               grad_reduce_dtype=request.constraints.grad_reduce_dtype)
                 candidates.append(Candidate(layout, priced, tuple(reasons)))
                 progress.tick(len(candidates))
                 if priced.fits:
@@ -338,6 +339,7 @@ def _plan_for(layout: Layout, request: PlanRequest, cluster, cluster_hash: str,
         recompute=layout.recompute, zero=layout.zero, bucket_mb=layout.bucket_mb,
         collective_algorithm=pinned.collective_algorithm or "flat",
         collective_matmul=bool(pinned.collective_matmul), model_ref=request.model_ref,
+        grad_reduce_dtype=pinned.grad_reduce_dtype,
         calibration_hash=request.calibration_hash)
 
 

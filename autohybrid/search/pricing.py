@@ -314,15 +314,19 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
           graph_dtype_bytes: int, optimizer: str, global_batch: int,
           cache: dict | None = None, attention: str = "flash",
           tp_overlap: float = 0.0, stage_starts: tuple[int, ...] | None = None,
-          pipeline_grad_overlap: bool = False) -> Priced:
+          pipeline_grad_overlap: bool = False, grad_reduce_dtype: str | None = None) -> Priced:
     """Predict `layout`; `cache` (any dict, kept across calls) reuses layer times and splits.
 
     `tp_overlap` is the share of tensor-parallel communication hidden behind compute (0 for
     autohybrid's runtime today; `TP_OVERLAP_MEGATRON_CORE` for runs that overlap it).
-    `pipeline_grad_overlap`: with pp > 1, whether the dp gradient sync overlaps the last
-    backward (Megatron's runs do; autohybrid's pipeline runtime reduces after the
-    schedule's step, so for its plans the sync is exposed).
+    `pipeline_grad_overlap`: Megatron-Core's overlap of the dp communication: with pp > 1
+    the gradient sync overlaps the last backward, and the ZeRO-1/2 parameter all-gather
+    overlaps compute (--overlap-grad-reduce, --overlap-param-gather). autohybrid's
+    runtime does neither yet: its pipeline reduces after the schedule's step and it
+    gathers the parameters after the optimizer step, so for its plans both are exposed.
     `stage_starts` pins the first layer of each of the pp × v stages (None: balanced).
+    `grad_reduce_dtype`: what the dp sync sends (None: the gradients' dtype, which is the
+    fp32 master weights' when `dtype` is 16-bit: memory.state_bytes_per_param's accounting).
     """
     cache = {} if cache is None else cache
     if "links" not in cache:
@@ -349,7 +353,8 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
     params_local, tensors = max(held.params), held.tensors
     overlap = mesh.pp == 1 or pipeline_grad_overlap
     worst, grad_sync, exposed = _ranks_memory_and_sync(cluster, layout, stages, held, dtype,
-                                                       optimizer, overlap)
+                                                       optimizer, overlap, grad_reduce_dtype,
+                                                       pipeline_grad_overlap)
     update = params_local / (mesh.dp if layout.zero else 1) * OPTIMIZER_BYTES_PER_PARAM \
         / (cluster.device.memory_bandwidth * MEMORY_EFFICIENCY)
     if cluster.cluster.device_type != "cpu":
@@ -429,7 +434,8 @@ def _p2p(cluster, layout: Layout, stages: Split, times: list[LayerTimes], m: int
 
 
 def _ranks_memory_and_sync(cluster, layout: Layout, stages: Split, held: Held, dtype: str,
-                           optimizer: str, overlap: bool) -> tuple[MemoryBreakdown, float, float]:
+                           optimizer: str, overlap: bool, grad_reduce_dtype: str | None = None,
+                           gather_overlap: bool = False) -> tuple[MemoryBreakdown, float, float]:
     """(memory of the most loaded rank, slowest dp gradient sync, most exposed part of it).
 
     With `overlap`, the sync of a rank's gradients overlaps its backward in buckets: all
@@ -442,28 +448,44 @@ def _ranks_memory_and_sync(cluster, layout: Layout, stages: Split, held: Held, d
         memory = _rank_memory(state, sums, stages.working[rank], layout, rank)
         if worst is None or memory.total > worst.total:
             worst = memory
-        grad_bytes = local * dtype_bytes(dtype)
-        sync = _dp_sync(cluster, layout, grad_bytes)
+        width = dtype_bytes(grad_reduce_dtype) if grad_reduce_dtype else max(4, dtype_bytes(dtype))
+        grad_bytes = local * width
+        sync, times, fixed = _dp_sync(cluster, layout, grad_bytes)
+        if gather_overlap and layout.zero in (1, 2):  # Megatron's param gather is hidden
+            fixed = 0.0
         buckets = max(1, math.ceil(grad_bytes / (layout.bucket_mb * 2**20)))
         hidden = sums.backward * (buckets - 1) / buckets if overlap else 0.0
-        grad_sync = max(grad_sync, sync)
+        grad_sync = max(grad_sync, times * sync + fixed)
         floor = sync / buckets if overlap else sync
-        exposed = max(exposed, max(sync - hidden, floor) if sync else 0.0)
+        exposed = max(exposed, times * (max(sync - hidden, floor) if sync else 0.0) + fixed)
     return worst, grad_sync, exposed
 
 
-def _dp_sync(cluster, layout: Layout, nbytes: float) -> float:
-    """Gradient synchronization of one rank's `nbytes` of gradients over its dp group."""
+def _dp_sync(cluster, layout: Layout, nbytes: float) -> tuple[float, int, float]:
+    """The dp synchronization of one rank's `nbytes` of gradients, as the runtime runs it:
+    (a reduction that overlaps a backward in buckets, how many times per step, time that
+    overlaps nothing).
+
+    ZeRO 0: one all-reduce in the last backward. ZeRO-1: a reduce-scatter there, and the
+    updated parameters all-gathered after the optimizer step (2Ψ like an all-reduce; the
+    ZeRO paper). ZeRO-2: the reduce-scatter in every microbatch's backward. ZeRO-3: each
+    microbatch gathers the parameters before each layer's forward and again in backward
+    and reduce-scatters their gradients, synchronously (runtime/zero.py: 3Ψ per microbatch,
+    none of it overlapped)."""
     mesh = layout.mesh
     if mesh.dp == 1:
-        return 0.0
+        return 0.0, 1, 0.0
     ranks = [mesh.tp * i for i in range(mesh.dp)]  # one dp group: same pp and tp coordinate
-    if layout.zero >= 2:
-        # ZeRO paper: gradients reduce-scattered, then updated parameters all-gathered (2Ψ,
-        # as an all-reduce); ZeRO-3 gathers parameters for forward and again for backward (3Ψ)
-        time = comm.reduce_scatter(cluster, ranks, nbytes)
-        return time + comm.all_gather(cluster, ranks, nbytes) * (2 if layout.zero == 3 else 1)
-    return comm.all_reduce(cluster, ranks, nbytes)
+    if layout.zero == 0:
+        return comm.all_reduce(cluster, ranks, nbytes), 1, 0.0
+    scatter = comm.reduce_scatter(cluster, ranks, nbytes)
+    gather = comm.all_gather(cluster, ranks, nbytes)
+    m = layout.num_microbatches
+    if layout.zero == 1:
+        return scatter, 1, gather
+    if layout.zero == 2:
+        return scatter, m, gather
+    return 0.0, 1, m * (scatter + 2 * gather)
 
 
 def _rank_memory(state: MemoryBreakdown, sums: LayerTimes, working: float, layout: Layout,

@@ -1,0 +1,79 @@
+"""Mixed precision: 16-bit compute over fp32 master weights, and fp16 loss scaling.
+
+`ah.compile(model, ..., dtype=torch.bfloat16)` on a model with fp32 parameters captures
+and runs its graphs under `torch.autocast` to bf16 (capture.py), as an eager training loop
+under `torch.autocast` would: the parameters stay fp32 (they are the master weights the
+optimizer steps, and their gradients are fp32), the matmuls run in bf16. Gradients are
+reduced over dp in their own dtype (fp32) unless `Plan.grad_reduce_dtype` says otherwise
+(runtime/reducer.py casts the buckets).
+
+fp16's narrow range needs loss scaling: `LossScaler` is torch.amp.GradScaler's dynamic
+scaling (the loss is multiplied by `scale` before backward, the gradients divided by it
+after the reduction; a step whose gradients hold an inf or NaN on any rank is skipped on
+every rank and the scale backs off; `growth_interval` clean steps in a row grow it),
+decided for all ranks at once, so it matches an eager loop with a GradScaler of the same
+settings step for step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from ..errors import NotExecutableError
+
+COMPUTE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def mixed_compute_dtype(compute: torch.dtype, params: torch.dtype) -> torch.dtype | None:
+    """The autocast dtype when `compute` narrower than the parameters' dtype asks for mixed
+    precision (None when they are the same: plain training in that dtype)."""
+    if compute == params:
+        return None
+    if compute in COMPUTE_DTYPES and params == torch.float32:
+        return compute
+    raise NotExecutableError(
+        f"dtype={str(compute).removeprefix('torch.')} with {str(params).removeprefix('torch.')} "
+        "parameters: mixed precision runs bfloat16 or float16 compute over float32 "
+        "parameters (the master weights); cast the model instead (model.to(dtype)) to train "
+        "in one dtype")
+
+
+@dataclass
+class LossScaler:
+    """Dynamic loss scaling with torch.amp.GradScaler's rule and defaults."""
+
+    scale: float = 2.0 ** 16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    growth_tracker: int = 0
+
+    @classmethod
+    def like(cls, scaler: torch.amp.GradScaler) -> "LossScaler":
+        """The settings (and current scale) of an eager GradScaler."""
+        return cls(scale=float(scaler.get_scale()), growth_factor=scaler.get_growth_factor(),
+                   backoff_factor=scaler.get_backoff_factor(),
+                   growth_interval=scaler.get_growth_interval())
+
+    def update(self, found_inf: bool) -> None:
+        """After a step: back off on inf/NaN, grow after `growth_interval` clean steps."""
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.growth_tracker = 0
+            return
+        self.growth_tracker += 1
+        if self.growth_tracker == self.growth_interval:
+            self.scale *= self.growth_factor
+            self.growth_tracker = 0
+
+
+def any_nonfinite(grads: Iterable[torch.Tensor | None]) -> bool:
+    """Whether any rank's gradients hold an inf or NaN (every rank gets the same answer)."""
+    flags = [torch.logical_not(torch.isfinite(g)).any() for g in grads if g is not None]
+    found = torch.stack(flags).any().to(torch.int32) if flags else torch.zeros((), dtype=torch.int32)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return bool(found.item())

@@ -1,0 +1,116 @@
+"""ZeRO on the data-parallel axis: this rank's flat shards of what it trains.
+
+Every parameter this rank trains (the model's own, or its tensor-parallel shard; with
+pipeline parallelism those of its stages) gets a 1-D shard Parameter of `c = ceil(n/dp)`
+elements (ops/zero.py's layout). The optimizer is built over the shards, so its state is
+1/dp of the replicated one at every stage; elementwise optimizers (SGD, Adam, AdamW, …)
+then compute exactly what they would on whole parameters.
+
+    stage   gradient reduction (runtime/reducer.py)          parameters between steps
+    1       whole gradients accumulate over microbatches;     whole, all-gathered after
+            buckets reduce-scattered in the last backward     the optimizer step (one
+    2       buckets reduce-scattered in every microbatch's    all-gather per bucket)
+            backward: only shard gradients outlive it
+    3       reduce-scatter in backward, per layer            shards only: graphs gather
+            (ops/zero.py's `zero_gather`)                      each layer's parameters
+                                                              before use (passes/zero.py)
+
+Gradients are scaled by 1/Σ denominators like every other gradient (passes/global_loss.py).
+`full_value` / `full_grad` gather a parameter or its gradient back (for `full_state_dict`,
+`full_grads`); `squared_grad_norms` gives each parameter's Σg² over the dp group for
+clipping.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..ops.zero import chunk, gather, shard_of
+
+
+class ZeroShards:
+    def __init__(self, stage: int, params: dict[str, nn.Parameter],
+                 group: dist.ProcessGroup | None, dp: int, dp_rank: int, bucket_bytes: int,
+                 values_of=None):
+        """`values_of(name)`: this rank's shard of a parameter left on the meta device
+        (sharded materialization: runtime/materialize.py)."""
+        self.stage, self.group, self.dp, self.dp_rank = stage, group, dp, dp_rank
+        self.params = dict(params)                       # name → the whole (tp-local) param
+        self.numel = {name: p.numel() for name, p in params.items()}
+        self.shape = {name: tuple(p.shape) for name, p in params.items()}
+        self.shards = {name: nn.Parameter(values_of(name) if p.is_meta
+                                          else shard_of(p, dp, dp_rank),
+                                          requires_grad=p.requires_grad)
+                       for name, p in params.items()}
+        self.bucket_bytes = bucket_bytes
+        self._by_id = {id(p): name for name, p in params.items()}
+
+    def shard_for(self, param: nn.Parameter) -> nn.Parameter:
+        return self.shards[self._by_id[id(param)]]
+
+    def optimizer_params(self) -> list[nn.Parameter]:
+        return list(self.shards.values())
+
+    # ------------------------------------------------------------------ gradients
+    def scale_grads(self, scale: float | torch.Tensor) -> None:
+        for s in self.shards.values():
+            if s.grad is not None:
+                s.grad.mul_(scale)
+
+    def squared_grad_norms(self) -> dict[str, torch.Tensor]:
+        """Σ g² of each parameter's whole gradient (this rank's shards summed over dp)."""
+        names = [n for n, s in self.shards.items() if s.grad is not None]
+        if not names:
+            return {}
+        local = torch.stack([self.shards[n].grad.detach().double().pow(2).sum() for n in names])
+        if self.group is not None and self.dp > 1:
+            dist.all_reduce(local, group=self.group)
+        return dict(zip(names, local.unbind()))
+
+    # ------------------------------------------------------------------ parameters
+    def gather_params(self) -> None:
+        """ZeRO-1/2 after the optimizer step: every whole parameter from the shards."""
+        with torch.no_grad():
+            for names in self._buckets():
+                wholes = gather([self.shards[n].detach() for n in names],
+                                [self.shape[n] for n in names], self._comm_group)
+                for name, whole in zip(names, wholes):
+                    self.params[name].copy_(whole)
+
+    def full_value(self, name: str) -> torch.Tensor:
+        """The whole (tp-local) parameter `name`, gathered from the shards under ZeRO-3."""
+        if self.stage < 3:
+            return self.params[name].detach()
+        return gather([self.shards[name].detach()], [self.shape[name]], self._comm_group)[0]
+
+    def full_grad(self, name: str) -> torch.Tensor | None:
+        """The whole (tp-local) reduced gradient of `name` (None without one)."""
+        grad = self.shards[name].grad  # None on every dp rank alike (the same graph)
+        if grad is None:
+            return None
+        return gather([grad.detach()], [self.shape[name]], self._comm_group)[0]
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes of parameters, gradients and shards this object keeps (for the tests'
+        byte counters and `explain`)."""
+        shards = sum(s.numel() * s.element_size() for s in self.shards.values())
+        shard_grads = sum(s.grad.numel() * s.grad.element_size()
+                          for s in self.shards.values() if s.grad is not None)
+        return {"shards": shards, "shard_grads": shard_grads}
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def _comm_group(self) -> dist.ProcessGroup | None:
+        return self.group if self.group is not None and self.dp > 1 else None
+
+    def _buckets(self) -> list[list[str]]:
+        out: list[list[str]] = [[]]
+        size = 0
+        for name, s in self.shards.items():
+            out[-1].append(name)
+            size += chunk(self.numel[name], self.dp) * self.dp * s.element_size()
+            if size >= self.bucket_bytes:
+                out.append([])
+                size = 0
+        return [b for b in out if b]

@@ -1,0 +1,242 @@
+"""ZeRO 1–3 on the data-parallel axis equals eager training and holds the bytes the
+memory model predicts.
+
+Equivalence: gpt-tiny at dp 2 under ZeRO 1, 2 and 3 with SGD and AdamW, clipping on,
+2 microbatches (ZeRO-2 reduces every microbatch); then ZeRO composed with tp (+sp), pp
+(1F1B, zero-bubble ×2, GPipe) and full recomputation on 4 ranks. Each case trains the
+compiled model and an eager float64 copy for 3 steps and compares the loss, the gathered
+gradients and the gathered parameters after every step (tests/_equiv.py).
+
+Structure: optimizer-state, gradient and parameter bytes per rank, counted on the live
+tensors, against `cost.memory.training_state` at dp 2 and dp 4; the ZeRO-3 graph (one
+gather per layer, shard-shaped parameter placeholders); and the release of gathered
+parameters after use (a saved weight is gathered again in backward, not kept).
+"""
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+
+import autohybrid as ah
+from _equiv import (OPTIMIZERS, Failures, compare_training, default_eager_loss, lm_loss,
+                    report, train_and_compare, zoo_batches, zoo_loss, zoo_model)
+from autohybrid.capture import capture
+from autohybrid.cost.memory import training_state
+from autohybrid.ops.zero import chunk, release_gathered, zero_gather, zero_gather_op
+from autohybrid.passes import PassContext, passes_for, run_passes
+from autohybrid.search.layers import segment
+
+LAUNCH_TIMEOUT_S = 300
+C = ah.Constraints
+
+
+def _launch(fn, world: int, *args):
+    return ah.launch(fn, ah.Cluster.local(world), args=(world, *args),
+                     timeout_s=LAUNCH_TIMEOUT_S)
+
+
+# ============================================================================ bytes
+def _bytes_model():
+    """A GPT whose blocks dominate its parameters (so per-layer transients are small)."""
+    torch.manual_seed(0)
+    return ah.models.gpt(layers=4, hidden=64, heads=4, vocab=64, seq=16).double()
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _measure_bytes(world: int) -> dict[int, dict[str, int]]:
+    """Per ZeRO stage, this rank's bytes: parameters the graphs read, gradients held
+    after each microbatch (the most of them), AdamW state after a step; and the padding
+    slack (Σ over parameters of dp·c − n elements)."""
+    out = {}
+    model = _bytes_model()
+    inputs, targets = ah.models.example_batch(model, 4 * world, seed=1, dtype=torch.float64)
+    for zero in range(4):
+        compiled = ah.compile(_bytes_model(), ah.Cluster.local(world), inputs,
+                              loss_fn=lm_loss, example_targets=targets,
+                              optimizer=OPTIMIZERS["adamw"],
+                              constraints=C(dp=world, tp=1, pp=1, zero=zero,
+                                            num_microbatches=2, bucket_mb=0.01))
+        trained = compiled._trained_params()
+        shards = compiled.zero.optimizer_params() if compiled.zero is not None else []
+        held: list[int] = []
+        compiled.executor.microbatch_hooks.append(lambda m: held.append(_tensor_bytes(
+            [p.grad for p in trained.values()] + [s.grad for s in shards])))
+        compiled.train_step(inputs, targets)
+        state = compiled.executor.state
+        optimizer = [t for s in compiled.optimizer.state.values() for k, t in s.items()
+                     if k != "step"]
+        out[zero] = {
+            "params": _tensor_bytes(state[name] for name in trained),
+            "grads": max(held),
+            "optimizer": _tensor_bytes(optimizer),
+            "count": sum(p.numel() for p in trained.values()),
+            "slack": sum(chunk(p.numel(), world) * world - p.numel() for p in trained.values()),
+        }
+    return out
+
+
+def _bytes_rank(rank: int, world: int) -> dict:
+    return _measure_bytes(world)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world", [2, 4])
+def test_state_bytes_fall_as_the_memory_model_predicts(world):
+    """ZeRO-k divides by dp what the memory model says it does: optimizer state from
+    stage 1, gradients (held between microbatches) from 2, parameters at 3 — within the
+    padding of each parameter's flat shard (at most dp − 1 elements)."""
+    measured = _launch(_bytes_rank, world)[0]
+    width = 8  # float64
+    for zero, m in measured.items():
+        want = training_state(m["count"], "float64", "adam", zero, world)
+        slack = m["slack"] * width
+        assert want.params <= m["params"] <= want.params + slack / (world if zero < 3 else 1), \
+            (zero, m, want)
+        assert want.grads <= m["grads"] <= want.grads + slack, (zero, m, want)
+        assert want.optimizer <= m["optimizer"] <= want.optimizer + 2 * slack, (zero, m, want)
+    full = measured[0]
+    for zero, kinds in ((1, ["optimizer"]), (2, ["optimizer", "grads"]),
+                        (3, ["optimizer", "grads", "params"])):
+        for kind in kinds:
+            ratio = measured[zero][kind] / full[kind]
+            assert 1 / world <= ratio < 1 / world + 0.02, (zero, kind, ratio)
+
+
+# ============================================================================ equivalence
+def _zero_rank(rank: int, world: int, cases) -> list[str]:
+    fails = Failures()
+    for name, optimizer, constraints in cases:
+        batches = zoo_batches(name, 8, steps=3)
+        case = f"{name}/{optimizer}/{constraints}"
+        compiled, _ = train_and_compare(fails, case, zoo_model(name), batches, world,
+                                        loss_fn=zoo_loss(name), optimizer=OPTIMIZERS[optimizer],
+                                        constraints=constraints, max_grad_norm=1.0)
+        fails.check(f"{case}: ZeRO-{compiled.plan.zero}, shards "
+                    f"{compiled.zero is not None}", compiled.zero is not None
+                    and compiled.zero.stage == constraints.zero)
+    return fails
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+def test_zero_1_2_3_match_eager_at_dp2():
+    cases = [("gpt-tiny", optimizer, C(dp=2, tp=1, pp=1, zero=zero, num_microbatches=2))
+             for zero in (1, 2, 3) for optimizer in ("sgd", "adamw")]
+    results = _launch(_zero_rank, 2, cases)
+    assert not any(results), report(results)
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+def test_zero_composes_with_tp_sp_pp_and_recompute():
+    cases = [
+        ("gpt-tiny", "adamw", C(dp=2, tp=2, pp=1, sp=True, zero=3, num_microbatches=2)),
+        ("llama-tiny", "sgd", C(dp=2, tp=2, pp=1, zero=2, num_microbatches=2)),
+        ("gpt-tiny", "sgd", C(dp=2, tp=1, pp=2, zero=3, schedule="1f1b", num_microbatches=2)),
+        ("llama-tiny", "adamw", C(dp=2, tp=1, pp=2, zero=2, schedule="zero-bubble",
+                                  virtual_stages=2, num_microbatches=2)),
+        ("mlp-tiny", "adamw", C(dp=2, tp=1, pp=2, zero=1, schedule="gpipe",
+                                num_microbatches=2)),
+        ("gpt-tiny", "adamw", C(dp=4, tp=1, pp=1, zero=3, recompute="full",
+                                num_microbatches=1)),
+    ]
+    results = _launch(_zero_rank, 4, cases)
+    assert not any(results), report(results)
+
+
+# ============================================================================ the graph
+def _rewrite(name: str, zero: int, dp: int = 2):
+    torch.manual_seed(0)
+    model = ah.models.preset(name)
+    inputs, targets = ah.models.example_batch(name, 4)
+    cap = capture(model, inputs, lm_loss, targets)
+    plan = ah.plan(model, ah.Cluster.local(dp), inputs, constraints=C(dp=dp, tp=1, pp=1,
+                                                                      zero=zero))
+    ctx = PassContext(plan=plan, rank=0, coords=plan.mesh.coords(0))
+    ctx.notes["loss_output_index"] = cap.user_outputs[0]
+    return cap, run_passes(cap.gm, ctx, passes_for("train")), ctx
+
+
+@pytest.mark.timeout(60)
+def test_zero3_graph_gathers_each_layer_once_from_shard_placeholders():
+    cap, gm, ctx = _rewrite("gpt-tiny", 3)
+    gathers = [n for n in gm.graph.nodes if n.target is zero_gather_op]
+    layers = segment(gm)
+    with_params = [layer for layer in layers if layer.params()]
+    assert len(gathers) == len(with_params) == ctx.notes["zero_gathers"]
+    for layer in with_params:  # each layer reads its parameters through its one gather
+        gather = next(n for n in layer.nodes if n.target is zero_gather_op)
+        assert not [a for n in layer.nodes if n is not gather for a in n.all_input_nodes
+                    if a.meta.get("ah_role") == "param"]
+        users = {u for item in gather.users for u in item.users}
+        assert users <= set(layer.nodes)
+    # the tied embedding/head weight is gathered by both layers that read it
+    tied = [u for n in gm.graph.nodes if n.op == "placeholder"
+            and n.meta.get("ah_param") == "tok_emb.weight" for u in n.users]
+    assert len(tied) == 2 and all(u.target is zero_gather_op for u in tied)
+    whole = {n.meta["ah_param"]: n.meta["val"] for n in cap.gm.graph.nodes
+             if n.op == "placeholder" and n.meta.get("ah_role") == "param"}
+    for node in gm.graph.nodes:  # parameters arrive as flat dp shards
+        if node.op == "placeholder" and node.meta.get("ah_role") == "param":
+            n = whole[node.meta["ah_param"]].numel()
+            assert tuple(node.meta["val"].shape) == (chunk(n, 2),)
+    _, gm1, _ = _rewrite("gpt-tiny", 1)
+    _, gm2, _ = _rewrite("gpt-tiny", 2)
+    for g in (gm1, gm2):  # ZeRO 1/2 leave the graph alone (the reducer shards)
+        assert not [n for n in g.graph.nodes if n.meta.get("ah_pass") == "zero"]
+
+
+@pytest.mark.timeout(60)
+def test_gathered_parameters_are_released_after_use_and_gathered_again():
+    """A weight gathered for a matmul dies once forward is done (autograd keeps a handle
+    to its shard, not the weight); without the hooks autograd keeps it. The gradients are
+    the same either way."""
+    torch.manual_seed(0)
+    shard = torch.randn(12, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    from autohybrid.ops import groups
+    groups.bind("dp", None)
+
+    def forward():
+        (w,) = zero_gather([shard], [[3, 4]], "dp")
+        ref = weakref.ref(w)
+        y = torch.ops.aten.mm.default(x, w)
+        return y, ref
+
+    grads = []
+    for release in (True, False):
+        with release_gathered(release):
+            y, ref = forward()
+        assert (ref() is None) == release
+        gx, gs = torch.autograd.grad(y.square().sum(), (x, shard))
+        grads.append((gx, gs))
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+# ============================================================================ two models
+def _two_models_rank(rank: int, world: int) -> list[str]:
+    """A tp2 model, then a dp2 ZeRO-3 model compiled in the same process: each keeps
+    running on its own groups (the axis → group table is bound per model)."""
+    fails = Failures()
+    batches = zoo_batches("gpt-tiny", 8, steps=2)
+    models = {}
+    for key, constraints in (("tp2", C(dp=1, tp=2, pp=1, sp=False)),
+                             ("zero3", C(dp=2, tp=1, pp=1, zero=3))):
+        compiled, ref = train_and_compare(fails, key, zoo_model("gpt-tiny"), batches[:1], world,
+                                          loss_fn=lm_loss, optimizer=OPTIMIZERS["sgd"],
+                                          constraints=constraints)
+        models[key] = (compiled, ref)
+    for key, (compiled, ref) in models.items():  # the first model after the second's compile
+        compare_training(fails, f"{key} again", compiled, ref,
+                         OPTIMIZERS["sgd"](list(ref.parameters())), batches[1:],
+                         default_eager_loss(lm_loss))
+    return fails
+
+
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+def test_two_compiled_models_in_one_process_keep_their_own_groups():
+    results = _launch(_two_models_rank, 2)
+    assert not any(results), report(results)
