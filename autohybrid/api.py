@@ -182,6 +182,11 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
             raise PlanError(f"dtype={name} differs from the plan's dtype {plan.dtype}")
         if name is not None:
             compute = mixed_compute_dtype(getattr(torch, name), _param_dtype(model))
+    if compute is not None and any(on_meta):
+        raise NotExecutableError(
+            "mixed precision of a model on the meta device: autocast does not apply to meta "
+            "tensors, so its graph cannot be captured as it will run; build the model on a "
+            "real device (or materialize it: ah.init.materialize(model, seed))")
     return CompiledModel(model, cluster, as_tuple(example_inputs), loss_fn=loss_fn,
                          example_targets=example_targets, optimizer_factory=optimizer,
                          plan=plan, constraints=constraints, global_batch=global_batch,

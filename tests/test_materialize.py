@@ -149,3 +149,6 @@ def test_compile_of_a_meta_model_needs_a_seed():
     with pytest.raises(NotExecutableError, match="init_seed"):
         ah.compile(model, ah.Cluster.local(1), inputs, loss_fn=zoo_loss("mlp-tiny"),
                    example_targets=targets)
+    with pytest.raises(NotExecutableError, match="mixed precision of a model on the meta"):
+        ah.compile(model, ah.Cluster.local(1), inputs, loss_fn=zoo_loss("mlp-tiny"),
+                   example_targets=targets, init_seed=0, dtype=torch.bfloat16)
