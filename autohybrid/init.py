@@ -405,11 +405,17 @@ def materialize(model: nn.Module, seed: int, rule: Rule | None = None,
                 new[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
             else:
                 p.copy_(t)
+    replace_parameters(model, new)
+    return materialize_buffers(model, device)
+
+
+def replace_parameters(model: nn.Module, new: Mapping[int, nn.Parameter]) -> None:
+    """Put `new[id(p)]` in place of every parameter `p` it names, in every module that
+    holds `p` (so tied weights stay one Parameter)."""
     for m in model.modules():
         for k, p in m._parameters.items():
             if p is not None and id(p) in new:
                 m._parameters[k] = new[id(p)]
-    return materialize_buffers(model, device)
 
 
 def materialize_buffers(model: nn.Module, device: torch.device | str = "cpu") -> nn.Module:

@@ -60,7 +60,7 @@ class Executor:
         self.params = params
         self.zero = zero
         self.scaler = scaler  # fp16 loss scaling
-        stage = zero.stage if zero is not None else 0
+        stage = self.zero_stage
         shards = ({id(p): zero.shard_for(p) for p in params} if stage in (1, 2) else None)
         # ZeRO-3 gradients arrive reduced (the graphs' gathers reduce-scatter them)
         reduce_dtype = getattr(torch, plan.grad_reduce_dtype) if plan.grad_reduce_dtype else None
@@ -71,6 +71,11 @@ class Executor:
         #: called as `hook(m)` after microbatch m's backward (and its ZeRO-2 gradient
         #: collection) when no pipeline runs: what tests inspect between microbatches
         self.microbatch_hooks: list = []
+
+    @property
+    def zero_stage(self) -> int:
+        """The ZeRO stage this rank runs (0 without dp shards)."""
+        return self.zero.stage if self.zero is not None else 0
 
     @property
     def dp(self) -> int:
@@ -125,7 +130,7 @@ class Executor:
         dtype = pipeline.loss_dtype if pipeline is not None else numerator.dtype
         grad_scale = (scale / loss_scale if loss_scale is not None else scale).to(dtype)
         self.reducer.finish(grad_scale)
-        stage = self.zero.stage if self.zero is not None else 0
+        stage = self.zero_stage
         if stage == 3:
             self.zero.scale_grads(grad_scale)
         if pipeline is not None:  # (sums commute: tied weights after the dp sum and scale)
@@ -159,7 +164,7 @@ class Executor:
         micro_tg = self.microbatches(targets, "targets")
         numerator = denominator = None
         count = len(micro_in)
-        stage = self.zero.stage if self.zero is not None else 0
+        stage = self.zero_stage
         for m, (mb_in, mb_tg) in enumerate(zip(micro_in, micro_tg)):
             if m == count - 1 or stage == 2:
                 self.reducer.prepare()

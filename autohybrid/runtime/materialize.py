@@ -17,7 +17,7 @@ import torch.fx as fx
 from torch import nn
 
 from ..errors import ModelError
-from ..init import init_specs, materialize_buffers, values
+from ..init import init_specs, materialize_buffers, replace_parameters, values
 from ..ops.zero import chunk, shard_of
 from ..passes.tensor_parallel import ShardSpec
 
@@ -56,12 +56,9 @@ class Materializer:
 
     def into_model(self, model: nn.Module, names: set[str]) -> None:
         """Give the model's own parameters `names` their values (ties stay one Parameter)."""
-        new = {id(self.meta[n]): nn.Parameter(self.whole(n), requires_grad=self.meta[n]
-                                              .requires_grad) for n in names}
-        for module in model.modules():
-            for key, p in module._parameters.items():
-                if p is not None and id(p) in new:
-                    module._parameters[key] = new[id(p)]
+        replace_parameters(model, {
+            id(self.meta[n]): nn.Parameter(self.whole(n), requires_grad=self.meta[n].requires_grad)
+            for n in names})
 
 
 def retarget_device(gm: fx.GraphModule, device: torch.device) -> None:
