@@ -142,6 +142,10 @@ class Plan:
     #: dtype the dp gradient reduction runs in (None: the gradients' own, i.e. the fp32
     #: master weights' under mixed precision; "bfloat16" halves the bytes sent)
     grad_reduce_dtype: str | None = None
+    #: ZeRO-3: a layer whose parameters are smaller than this shares its neighbour's
+    #: gather (passes/zero.py); the planner sets the dp link's latency × bandwidth, below
+    #: which a collective costs its latency whatever its size
+    gather_min_mb: float = 0.0
     shardings: tuple[NodeSharding, ...] = ()
     calibration_hash: str | None = None
     model_ref: str | None = None

@@ -14,6 +14,7 @@ parameters after use (a saved weight is gathered again in backward, not kept).
 """
 from __future__ import annotations
 
+import dataclasses
 import weakref
 
 import pytest
@@ -148,13 +149,14 @@ def test_zero_composes_with_tp_sp_pp_and_recompute():
 
 
 # ============================================================================ the graph
-def _rewrite(name: str, zero: int, dp: int = 2):
+def _rewrite(name: str, zero: int, dp: int = 2, **plan_fields):
     torch.manual_seed(0)
     model = ah.models.preset(name)
     inputs, targets = ah.models.example_batch(name, 4)
     cap = capture(model, inputs, lm_loss, targets)
     plan = ah.plan(model, ah.Cluster.local(dp), inputs, constraints=C(dp=dp, tp=1, pp=1,
                                                                       zero=zero))
+    plan = dataclasses.replace(plan, **plan_fields)
     ctx = PassContext(plan=plan, rank=0, coords=plan.mesh.coords(0))
     ctx.notes["loss_output_index"] = cap.user_outputs[0]
     return cap, run_passes(cap.gm, ctx, passes_for("train")), ctx
@@ -162,7 +164,7 @@ def _rewrite(name: str, zero: int, dp: int = 2):
 
 @pytest.mark.timeout(60)
 def test_zero3_graph_gathers_each_layer_once_from_shard_placeholders():
-    cap, gm, ctx = _rewrite("gpt-tiny", 3)
+    cap, gm, ctx = _rewrite("gpt-tiny", 3, gather_min_mb=0.0)
     gathers = [n for n in gm.graph.nodes if n.target is zero_gather_op]
     layers = segment(gm)
     with_params = [layer for layer in layers if layer.params()]
@@ -189,30 +191,90 @@ def test_zero3_graph_gathers_each_layer_once_from_shard_placeholders():
         assert not [n for n in g.graph.nodes if n.meta.get("ah_pass") == "zero"]
 
 
+def _gathered_names(gm) -> list[list[str]]:
+    return [[p.meta["ah_param"] for p in n.args[0]] for n in gm.graph.nodes
+            if n.target is zero_gather_op]
+
+
 @pytest.mark.timeout(60)
-def test_gathered_parameters_are_released_after_use_and_gathered_again():
-    """A weight gathered for a matmul dies once forward is done (autograd keeps a handle
-    to its shard, not the weight); without the hooks autograd keeps it. The gradients are
-    the same either way."""
+def test_zero3_small_layers_share_a_neighbours_gather():
+    """The planner sets `gather_min_mb` to the dp link's latency × bandwidth (about 48 KiB
+    for local gloo). With 4 KiB (gpt-tiny's fp32 blocks are ~50 KiB, its embedding 12
+    KiB, its position table 2 KiB, its final norm 256 B): the position table joins the
+    embedding's gather, the final norm the last block's; the big layers keep their own.
+    Not across a stage boundary, not under full recomputation."""
+    _, gm, ctx = _rewrite("gpt-tiny", 3)
+    assert ctx.plan.gather_min_mb == pytest.approx(50e-6 * 1e9 / 2**20)
+    assert len(_gathered_names(gm)) == 2        # as the pricing counts (tests/test_plan.py)
+    small = 4096 / 2**20
+    cap, gm, ctx = _rewrite("gpt-tiny", 3, gather_min_mb=small)
+    blocks = [[f"blocks.{i}.{p}" for p in ("ln1.weight", "ln1.bias", "attn.qkv.weight",
+              "attn.qkv.bias", "attn.proj.weight", "attn.proj.bias", "ln2.weight",
+              "ln2.bias", "mlp.fc.weight", "mlp.fc.bias", "mlp.proj.weight",
+              "mlp.proj.bias")] for i in range(2)]
+    assert _gathered_names(gm) == [["tok_emb.weight", "pos_emb.weight"], blocks[0],
+                                   blocks[1] + ["ln_f.weight", "ln_f.bias"],
+                                   ["tok_emb.weight"]]
+    assert ctx.notes["zero_gathers"] == 4
+    # the gathered parameters still reach exactly the nodes that read them
+    for gather in (n for n in gm.graph.nodes if n.target is zero_gather_op):
+        for item in gather.users:
+            assert item.users
+    # a stage boundary at the final norm: it starts a gather (in its stage), which the
+    # head joins; full recomputation merges nothing
+    _, gm_b, _ = _rewrite("gpt-tiny", 3, gather_min_mb=small, stage_boundaries=("model.ln_f",))
+    assert _gathered_names(gm_b)[-2:] == [blocks[1], ["ln_f.weight", "ln_f.bias",
+                                                      "tok_emb.weight"]]
+    _, gm_r, ctx_r = _rewrite("gpt-tiny", 3, gather_min_mb=small, recompute="full")
+    assert ctx_r.notes["zero_gathers"] == 6, _gathered_names(gm_r)
+
+
+@pytest.mark.timeout(60)
+def test_gathered_parameters_are_released_after_use_and_gathered_again(monkeypatch):
+    """Weights gathered for matmuls die once forward is done (autograd keeps a handle to
+    their layer's shards, not the weights); without the hooks autograd keeps them. In
+    backward the layer is gathered again once for all its saved weights, and that copy is
+    dropped when the layer's own backward (the reduce-scatter) has run. The forward's last
+    gather is kept for backward instead. The gradients are the same either way."""
+    from autohybrid.ops import groups, zero as zero_ops
     torch.manual_seed(0)
-    shard = torch.randn(12, dtype=torch.float64, requires_grad=True)
+    shards = [torch.randn(12, dtype=torch.float64, requires_grad=True) for _ in range(3)]
     x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
-    from autohybrid.ops import groups
     groups.bind("dp", None)
+    calls = []
+    real_gather = zero_ops.gather
+    monkeypatch.setattr(zero_ops, "gather",
+                        lambda *a: calls.append(len(a[0])) or real_gather(*a))
+    layers = []
+
+    class Layer(zero_ops._Layer):  # the objects behind the saved handles
+        def __init__(self, *args):
+            super().__init__(*args)
+            layers.append(self)
+    monkeypatch.setattr(zero_ops, "_Layer", Layer)
 
     def forward():
-        (w,) = zero_gather([shard], [[3, 4]], "dp")
-        ref = weakref.ref(w)
-        y = torch.ops.aten.mm.default(x, w)
-        return y, ref
+        w1, w2 = zero_gather(shards[:2], [[3, 4], [3, 4]], "dp")         # layer 1
+        y = torch.ops.aten.mm.default(x, w1) * torch.ops.aten.mm.default(x, w2)
+        (w3,) = zero_gather(shards[2:], [[4, 3]], "dp")                  # layer 2 (last)
+        z = torch.ops.aten.mm.default(y, w3)
+        return z, [weakref.ref(w) for w in (w1, w2, w3)]
 
     grads = []
     for release in (True, False):
+        calls.clear()
+        layers.clear()
         with release_gathered(release):
-            y, ref = forward()
-        assert (ref() is None) == release
-        gx, gs = torch.autograd.grad(y.square().sum(), (x, shard))
-        grads.append((gx, gs))
+            z, refs = forward()
+        alive = [r() is not None for r in refs]
+        assert alive == ([False, False, True] if release else [True] * 3)
+        assert len(layers) == 2 * release
+        if release:
+            assert layers[0]._whole is None and layers[1]._whole is not None
+        grads.append(torch.autograd.grad(z.square().sum(), (x, *shards)))
+        # forward's gathers, plus with release one gather of layer 1's weights in backward
+        assert calls == ([2, 1, 2] if release else [2, 1]), calls
+        assert all(layer._whole is None for layer in layers)
     torch.testing.assert_close(grads[0], grads[1])
 
 

@@ -45,6 +45,20 @@ reduce_scatter = all_gather  # same ring cost; `nbytes` is the full input
 all_to_all = all_gather
 
 
+def ring_latency(cluster: _Cluster, ranks: Sequence[int]) -> float:
+    """The latency part of a ring all-gather or reduce-scatter: (p − 1) α."""
+    return (len(ranks) - 1) * _link(cluster, ranks)[0] if len(ranks) > 1 else 0.0
+
+
+def latency_bytes(cluster: _Cluster, ranks: Sequence[int]) -> float:
+    """Bytes the group's link moves in one latency (α / β): a collective much smaller
+    than this costs its latency whatever its size, so merging such ones saves time."""
+    if len(ranks) <= 1:
+        return 0.0
+    alpha, beta = _link(cluster, ranks)
+    return alpha / beta
+
+
 def broadcast(cluster: _Cluster, ranks: Sequence[int], nbytes: float) -> float:
     p = len(ranks)
     if p <= 1 or nbytes <= 0:

@@ -15,9 +15,14 @@ rank's shard gradient is the dp sum, as a bucketed all-reduce would give.
 Release after use: a gathered parameter dies once the graph no longer reads it, except
 where autograd saves it (or a view of it) for backward. `release_gathered()` is the
 saved-tensor hook context the runtime runs forward in: a saved gathered parameter is
-replaced by a handle (its shard and the view's geometry) and gathered again when
-backward needs it (as FSDP re-gathers in backward). Gathers made inside the context are
-tracked by identity; the tracking ends when the context exits.
+replaced by a handle (its gather and the view's geometry). When backward first needs
+one of a gather's parameters, the whole gather runs again in one all-gather (as FSDP
+re-gathers a block in backward); the other saved views of that layer read the same
+result, which is dropped when the gather's own backward (the reduce-scatter) runs, that
+is once every use of the layer's parameters has its gradient. The forward's last gather
+is kept, not gathered again: its layer's backward comes first, right after forward (FSDP
+keeps its root's parameters so). Gathers made inside the context are tracked by
+identity; the tracking ends when the context exits.
 
 Example::
 
@@ -118,8 +123,14 @@ def _zero_gather(shards: list[torch.Tensor], shapes: list[int], ndims: list[int]
                  axis: str) -> list[torch.Tensor]:
     outs = gather(shards, _unflatten(shapes, ndims), _group(axis))
     if _TRACKING:
-        for shard, out in zip(shards, outs):
-            _GATHERED[id(out)] = _Gathered(weakref.ref(out), shard, tuple(out.shape), axis)
+        global _LAST
+        layer = _Layer([s.detach() for s in shards], [tuple(o.shape) for o in outs], axis)
+        for i, out in enumerate(outs):
+            _GATHERED[id(out)] = _Gathered(weakref.ref(out), layer, i)
+        if _LAST is not None:
+            _LAST.release()
+        layer.keep(outs)
+        _LAST = layer
     return outs
 
 
@@ -130,9 +141,13 @@ def _(shards, shapes, ndims, axis):
 
 def _setup(ctx, inputs, output) -> None:
     ctx.axis = inputs[3]
+    entry = _GATHERED.get(id(output[0])) if _TRACKING and output else None
+    ctx.layer = entry.layer if entry is not None and entry.ref() is output[0] else None
 
 
 def _backward(ctx, grads):
+    if ctx.layer is not None:          # every use of the layer's parameters is done
+        ctx.layer.release()
     # a parameter the loss does not reach gets no gradient, as in eager (every dp rank
     # runs the same graph, so all skip the same ones)
     present = [i for i, g in enumerate(grads) if g is not None]
@@ -159,17 +174,36 @@ zero_gather_op = torch.ops.autohybrid.zero_gather.default
 
 # ------------------------------------------------------------------ release after use
 
+class _Layer:
+    """One `zero_gather` call made under `release_gathered`: its shards, and the whole
+    parameters gathered again for backward while some saved view still needs them."""
+
+    def __init__(self, shards: list[torch.Tensor], shapes: list[tuple[int, ...]], axis: str):
+        self.shards, self.shapes, self.axis = shards, shapes, axis
+        self._whole: list[torch.Tensor] | None = None
+
+    def whole(self, index: int) -> torch.Tensor:
+        if self._whole is None:
+            self._whole = gather(self.shards, self.shapes, _group(self.axis))
+        return self._whole[index]
+
+    def keep(self, whole: list[torch.Tensor]) -> None:
+        self._whole = whole
+
+    def release(self) -> None:
+        self._whole = None
+
+
 @dataclass
 class _Gathered:
     ref: weakref.ref
-    shard: torch.Tensor
-    shape: tuple[int, ...]
-    axis: str
+    layer: _Layer
+    index: int
 
 
 @dataclass
 class _Regather:
-    """A saved view of a gathered parameter, kept as its shard until backward."""
+    """A saved view of a gathered parameter, kept as its layer's shards until backward."""
 
     source: _Gathered
     size: tuple[int, ...]
@@ -177,13 +211,13 @@ class _Regather:
     offset: int
 
     def value(self) -> torch.Tensor:
-        src = self.source
-        (whole,) = gather([src.shard.detach()], [src.shape], _group(src.axis))
+        whole = self.source.layer.whole(self.source.index)
         return whole.as_strided(self.size, self.stride, self.offset)
 
 
 _GATHERED: dict[int, _Gathered] = {}
 _TRACKING = False
+_LAST: _Layer | None = None   # the latest gather of the forward, kept for its backward
 
 
 def _pack(t: torch.Tensor):
@@ -202,7 +236,7 @@ def _unpack(saved):
 def release_gathered(enabled: bool = True) -> Iterator[None]:
     """Run a forward in which parameters gathered by `zero_gather` are not kept for
     backward (they are gathered again there)."""
-    global _TRACKING
+    global _TRACKING, _LAST
     if not enabled or _TRACKING:
         yield
         return
@@ -212,4 +246,5 @@ def release_gathered(enabled: bool = True) -> Iterator[None]:
             yield
     finally:
         _TRACKING = False
+        _LAST = None
         _GATHERED.clear()

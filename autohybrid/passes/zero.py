@@ -5,8 +5,10 @@ Why: with `Plan.zero == 3` a rank keeps 1/dp of every parameter between uses
 1-D shards (`ceil(n/dp)` elements of the tp-local parameter, ops/zero.py's layout), and
 each layer (search/layers.py) starts with one `zero_gather` of the parameters it reads:
 one all-gather per layer in forward and one reduce-scatter of their gradients in
-backward, FSDP's granularity. A parameter read by two layers (tied embedding and output
-weights) is gathered by each. The whole parameters die after their layer's last use;
+backward, FSDP's granularity. A layer whose parameters are smaller than the dp link moves
+in one latency (`Plan.gather_min_mb`: a norm, a position table) shares its neighbour's
+gather instead of paying a collective's latency for itself. A parameter read by two
+layers (tied embedding and output weights) is gathered by each. The whole parameters die after their layer's last use;
 those autograd saves for backward are released by the runtime's saved-tensor hooks
 (ops/zero.py `release_gathered`) and gathered again in backward.
 
@@ -30,7 +32,7 @@ import torch.fx as fx
 
 from ..graph import AH_ROLE, VAL, fake_mode, new_node
 from ..ops.zero import chunk, zero_gather_op
-from ..search.layers import segment
+from ..search.layers import gather_groups, segment
 from .manager import PassContext
 
 PASS = "zero"
@@ -51,11 +53,7 @@ def zero(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 node.meta[VAL] = torch.empty(chunk(full.numel(), plan.mesh.dp),
                                              dtype=full.dtype, device=full.device)
     gathers = 0
-    for layer in segment(gm):
-        readers = [n for n in layer.nodes if any(a in whole for a in n.all_input_nodes)]
-        if not readers:
-            continue
-        params = list(dict.fromkeys(a for n in readers for a in n.all_input_nodes if a in whole))
+    for readers, params in _gather_groups(gm, whole, plan):
         shapes = [int(d) for p in params for d in whole[p].shape]
         ndims = [whole[p].dim() for p in params]
         first = readers[0]
@@ -71,3 +69,32 @@ def zero(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ctx.notes["zero_gathers"] = gathers
     gm.recompile()
     return gm
+
+
+def _gather_groups(gm: fx.GraphModule, whole: dict[fx.Node, torch.Tensor],
+                   plan) -> list[tuple[list[fx.Node], list[fx.Node]]]:
+    """(nodes reading parameters, the parameters) of each gather, in execution order:
+    `search.layers.gather_groups` of the layers that read parameters, by their bytes
+    against `plan.gather_min_mb`; never across a pipeline stage boundary (a gather is in
+    its first layer's stage), nor under full recomputation (a gather inside one
+    checkpointed block must not feed another)."""
+    limit = plan.gather_min_mb * 2**20 if plan.recompute != "full" else 0.0
+    boundaries = set(plan.stage_boundaries)
+    layers, starts = [], []         # (readers, parameters); a stage starts since the last
+    crossed = False
+    for layer in segment(gm):
+        crossed = crossed or layer.name in boundaries
+        readers = [n for n in layer.nodes if any(a in whole for a in n.all_input_nodes)]
+        if readers:
+            params = dict.fromkeys(a for n in readers for a in n.all_input_nodes if a in whole)
+            layers.append((readers, list(params)))
+            starts.append(crossed)
+            crossed = False
+    sizes = [sum(whole[p].numel() * whole[p].element_size() for p in params)
+             for _, params in layers]
+    out = []
+    for group in gather_groups(sizes, starts, limit):
+        readers = [r for i in group for r in layers[i][0]]
+        params = list(dict.fromkeys(p for i in group for p in layers[i][1]))
+        out.append((readers, params))
+    return out

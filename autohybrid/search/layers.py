@@ -127,3 +127,21 @@ def _signature(nodes: list[fx.Node]) -> str:
         shape = tuple(str(s) for s in val.shape) if isinstance(val, torch.Tensor) else None
         digest.update(repr((op_name(node), args, shape)).encode())
     return digest.hexdigest()[:16]
+
+
+def gather_groups(sizes: list[float], stage_starts: list[bool], limit: float) -> list[list[int]]:
+    """ZeRO-3's gathers over layers with parameters of `sizes` bytes (in execution order):
+    the indices each gather serves. A layer smaller than `limit` joins the previous
+    gather (the first layer's: the next one's), as does the next layer while a gather is
+    that small; a layer starting a pipeline stage (`stage_starts`) always starts one.
+    passes/zero.py places the gathers so; search/pricing.py counts them."""
+    groups: list[list[int]] = []
+    held = 0.0
+    for i, (size, starts) in enumerate(zip(sizes, stage_starts)):
+        if groups and not starts and min(size, held) < limit:
+            groups[-1].append(i)
+            held += size
+        else:
+            groups.append([i])
+            held = size
+    return groups

@@ -22,7 +22,7 @@ from ..cost.memory import usable_bytes
 from ..errors import NoPlanFitsError, NotExecutableError, PlanError
 from ..plan import (Alternative, Constraints, Mesh, NodeSharding, Plan, RankPlacement,
                     schedule_problem)
-from .pricing import Layout, Priced, price
+from .pricing import Layout, Priced, gather_min_mb, price
 from .space import ModelProfile
 
 #: Gradient bucket size when nothing pins it (PyTorch DDP's default).
@@ -340,6 +340,7 @@ def _plan_for(layout: Layout, request: PlanRequest, cluster, cluster_hash: str,
         collective_algorithm=pinned.collective_algorithm or "flat",
         collective_matmul=bool(pinned.collective_matmul), model_ref=request.model_ref,
         grad_reduce_dtype=pinned.grad_reduce_dtype,
+        gather_min_mb=gather_min_mb(cluster, layout),
         calibration_hash=request.calibration_hash)
 
 

@@ -24,7 +24,7 @@ from ..cost import comm
 from ..cost.compute import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
 from ..cost.memory import dtype_bytes, training_state, usable_bytes
 from ..plan import MemoryBreakdown, Mesh, Prediction, stage_ranks
-from .layers import is_block
+from .layers import gather_groups, is_block
 from .space import LayerProfile, ModelProfile, split_ways
 from .stages import partition
 
@@ -349,7 +349,8 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
     idle = bubble(layout, stages.sums[loads.index(slowest)])
     compute = (m + idle) * slowest
     p2p = _p2p(cluster, layout, stages, times, m)
-    held = _held(profile, stages, shape, cache)
+    limit = gather_min_mb(cluster, layout) * 2**20 if layout.recompute != "full" else 0.0
+    held = _held(profile, stages, shape, cache, limit, graph_dtype_bytes)
     params_local, tensors = max(held.params), held.tensors
     overlap = mesh.pp == 1 or pipeline_grad_overlap
     worst, grad_sync, exposed = _ranks_memory_and_sync(cluster, layout, stages, held, dtype,
@@ -387,31 +388,43 @@ class Held:
     params: tuple[float, ...]
     tensors: int
     distinct: tuple[int, ...]
+    gathers: tuple[int, ...] = ()    # per rank: its layers that read parameters (ZeRO-3)
 
 
-def _held(profile: ModelProfile, stages: Split, shape: tuple, cache: dict) -> Held:
-    key = ("held", stages.starts, stages.placement, *shape)
+def _held(profile: ModelProfile, stages: Split, shape: tuple, cache: dict,
+          gather_limit: float = 0.0, width: int = 4) -> Held:
+    key = ("held", stages.starts, stages.placement, *shape, gather_limit, width)
     if key not in cache:
         tp = shape[1]
-        per_rank = [_rank_params(profile, spans, tp, cache) for spans in stages.ranges]
-        params = tuple(local for local, _ in per_rank)
+        per_rank = [_rank_params(profile, spans, tp, cache, gather_limit, width)
+                    for spans in stages.ranges]
+        params = tuple(local for local, _, _ in per_rank)
         first: dict[tuple, int] = {}
         for rank, work in enumerate(zip(params, stages.sums, stages.working)):
             first.setdefault(work, rank)
-        cache[key] = Held(params, max(count for _, count in per_rank),
-                          tuple(first.values()))
+        cache[key] = Held(params, max(count for _, count, _ in per_rank),
+                          tuple(first.values()), tuple(n for _, _, n in per_rank))
     return cache[key]
 
 
 def _rank_params(profile: ModelProfile, ranges: tuple[tuple[int, int], ...], tp: int,
-                 cache: dict) -> tuple[float, int]:
-    """(parameters one tp rank of a pp rank holds, its parameter tensors) for the stages
-    in `ranges`: a parameter tied between two stages of the rank is held once."""
-    key = ("params", ranges, tp)
+                 cache: dict, gather_limit: float = 0.0,
+                 width: int = 4) -> tuple[float, int, int]:
+    """(parameters one tp rank of a pp rank holds, its parameter tensors, its ZeRO-3
+    gathers) for the stages in `ranges`: a parameter tied between two stages of the rank
+    is held once; the gathers are `layers.gather_groups` of its layers that read
+    parameters (`width` bytes each), as passes/zero.py places them."""
+    key = ("params", ranges, tp, gather_limit, width)
     if key not in cache:
         layers = [layer for first, end in ranges for layer in profile.layers[first:end]]
         names = {name for layer in layers for name, _, _ in layer.params}
-        cache[key] = (profile.local_params(layers, tp), len(names))
+        sizes, starts = [], []
+        for first, end in ranges:
+            reading = [layer for layer in profile.layers[first:end] if layer.params]
+            sizes += [profile.local_params([layer], tp) * width for layer in reading]
+            starts += [i == 0 for i in range(len(reading))]
+        cache[key] = (profile.local_params(layers, tp), len(names),
+                      len(gather_groups(sizes, starts, gather_limit)))
     return cache[key]
 
 
@@ -450,7 +463,7 @@ def _ranks_memory_and_sync(cluster, layout: Layout, stages: Split, held: Held, d
             worst = memory
         width = dtype_bytes(grad_reduce_dtype) if grad_reduce_dtype else max(4, dtype_bytes(dtype))
         grad_bytes = local * width
-        sync, times, fixed = _dp_sync(cluster, layout, grad_bytes)
+        sync, times, fixed = _dp_sync(cluster, layout, grad_bytes, held.gathers[rank])
         if gather_overlap and layout.zero in (1, 2):  # Megatron's param gather is hidden
             fixed = 0.0
         buckets = max(1, math.ceil(grad_bytes / (layout.bucket_mb * 2**20)))
@@ -461,7 +474,21 @@ def _ranks_memory_and_sync(cluster, layout: Layout, stages: Split, held: Held, d
     return worst, grad_sync, exposed
 
 
-def _dp_sync(cluster, layout: Layout, nbytes: float) -> tuple[float, int, float]:
+def _dp_ranks(layout: Layout) -> list[int]:
+    """One dp group: the ranks with the same pp and tp coordinate as rank 0."""
+    return [layout.mesh.tp * i for i in range(layout.mesh.dp)]
+
+
+def gather_min_mb(cluster, layout: Layout) -> float:
+    """`Plan.gather_min_mb`: ZeRO-3 layers with fewer parameter bytes than the dp link
+    moves in one latency share a neighbour's gather (passes/zero.py)."""
+    if layout.zero < 3 or layout.mesh.dp == 1:
+        return 0.0
+    return comm.latency_bytes(cluster, _dp_ranks(layout)) / 2**20
+
+
+def _dp_sync(cluster, layout: Layout, nbytes: float,
+             gathers: int = 1) -> tuple[float, int, float]:
     """The dp synchronization of one rank's `nbytes` of gradients, as the runtime runs it:
     (a reduction that overlaps a backward in buckets, how many times per step, time that
     overlaps nothing).
@@ -471,11 +498,12 @@ def _dp_sync(cluster, layout: Layout, nbytes: float) -> tuple[float, int, float]
     ZeRO paper). ZeRO-2: the reduce-scatter in every microbatch's backward. ZeRO-3: each
     microbatch gathers the parameters before each layer's forward and again in backward
     and reduce-scatters their gradients, synchronously (runtime/zero.py: 3Ψ per microbatch,
-    none of it overlapped)."""
+    none of it overlapped), in three collectives for each of the rank's `gathers` layers
+    with parameters: each collective's latency counts."""
     mesh = layout.mesh
     if mesh.dp == 1:
         return 0.0, 1, 0.0
-    ranks = [mesh.tp * i for i in range(mesh.dp)]  # one dp group: same pp and tp coordinate
+    ranks = _dp_ranks(layout)
     if layout.zero == 0:
         return comm.all_reduce(cluster, ranks, nbytes), 1, 0.0
     scatter = comm.reduce_scatter(cluster, ranks, nbytes)
@@ -485,7 +513,8 @@ def _dp_sync(cluster, layout: Layout, nbytes: float) -> tuple[float, int, float]
         return scatter, 1, gather
     if layout.zero == 2:
         return scatter, m, gather
-    return 0.0, 1, m * (scatter + 2 * gather)
+    more = 3 * (max(gathers, 1) - 1) * comm.ring_latency(cluster, ranks)
+    return 0.0, 1, m * (scatter + 2 * gather + more)
 
 
 def _rank_memory(state: MemoryBreakdown, sums: LayerTimes, working: float, layout: Layout,
