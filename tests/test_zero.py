@@ -25,7 +25,8 @@ from _equiv import (OPTIMIZERS, Failures, compare_training, default_eager_loss, 
                     report, train_and_compare, zoo_batches, zoo_loss, zoo_model)
 from autohybrid.capture import capture
 from autohybrid.cost.memory import training_state
-from autohybrid.ops.zero import chunk, release_gathered, zero_gather, zero_gather_op
+from autohybrid.ops.zero import (chunk, release_gathered, zero_gather,
+                                 zero_gather_start_op, zero_gather_wait_op)
 from autohybrid.passes import PassContext, passes_for, run_passes
 from autohybrid.search.layers import segment
 
@@ -159,26 +160,31 @@ def _rewrite(name: str, zero: int, dp: int = 2, **plan_fields):
     plan = dataclasses.replace(plan, **plan_fields)
     ctx = PassContext(plan=plan, rank=0, coords=plan.mesh.coords(0))
     ctx.notes["loss_output_index"] = cap.user_outputs[0]
-    return cap, run_passes(cap.gm, ctx, passes_for("train")), ctx
+    # without the overlap pass: it moves the gathers' starts up, out of their layers
+    passes = [(name, fn) for name, fn in passes_for("train") if name != "overlap"]
+    return cap, run_passes(cap.gm, ctx, passes), ctx
 
 
 @pytest.mark.timeout(60)
 def test_zero3_graph_gathers_each_layer_once_from_shard_placeholders():
     cap, gm, ctx = _rewrite("gpt-tiny", 3, gather_min_mb=0.0)
-    gathers = [n for n in gm.graph.nodes if n.target is zero_gather_op]
+    gathers = [n for n in gm.graph.nodes if n.target is zero_gather_wait_op]
     layers = segment(gm)
     with_params = [layer for layer in layers if layer.params()]
     assert len(gathers) == len(with_params) == ctx.notes["zero_gathers"]
     for layer in with_params:  # each layer reads its parameters through its one gather
-        gather = next(n for n in layer.nodes if n.target is zero_gather_op)
-        assert not [a for n in layer.nodes if n is not gather for a in n.all_input_nodes
-                    if a.meta.get("ah_role") == "param"]
+        gather = next(n for n in layer.nodes if n.target is zero_gather_wait_op)
+        start = gather.args[0]
+        assert start.target is zero_gather_start_op and start.args[0] == gather.args[1]
+        assert not [a for n in layer.nodes if n not in (gather, start)
+                    for a in n.all_input_nodes if a.meta.get("ah_role") == "param"]
         users = {u for item in gather.users for u in item.users}
         assert users <= set(layer.nodes)
     # the tied embedding/head weight is gathered by both layers that read it
-    tied = [u for n in gm.graph.nodes if n.op == "placeholder"
+    tied = [u.target for n in gm.graph.nodes if n.op == "placeholder"
             and n.meta.get("ah_param") == "tok_emb.weight" for u in n.users]
-    assert len(tied) == 2 and all(u.target is zero_gather_op for u in tied)
+    assert sorted(map(str, tied)) == sorted(map(str, [zero_gather_start_op,
+                                                      zero_gather_wait_op] * 2))
     whole = {n.meta["ah_param"]: n.meta["val"] for n in cap.gm.graph.nodes
              if n.op == "placeholder" and n.meta.get("ah_role") == "param"}
     for node in gm.graph.nodes:  # parameters arrive as flat dp shards
@@ -192,8 +198,8 @@ def test_zero3_graph_gathers_each_layer_once_from_shard_placeholders():
 
 
 def _gathered_names(gm) -> list[list[str]]:
-    return [[p.meta["ah_param"] for p in n.args[0]] for n in gm.graph.nodes
-            if n.target is zero_gather_op]
+    return [[p.meta["ah_param"] for p in n.args[1]] for n in gm.graph.nodes
+            if n.target is zero_gather_wait_op]
 
 
 @pytest.mark.timeout(60)
@@ -217,7 +223,7 @@ def test_zero3_small_layers_share_a_neighbours_gather():
                                    ["tok_emb.weight"]]
     assert ctx.notes["zero_gathers"] == 4
     # the gathered parameters still reach exactly the nodes that read them
-    for gather in (n for n in gm.graph.nodes if n.target is zero_gather_op):
+    for gather in (n for n in gm.graph.nodes if n.target is zero_gather_wait_op):
         for item in gather.users:
             assert item.users
     # a stage boundary at the final norm: it starts a gather (in its stage), which the
@@ -233,18 +239,20 @@ def test_zero3_small_layers_share_a_neighbours_gather():
 def test_gathered_parameters_are_released_after_use_and_gathered_again(monkeypatch):
     """Weights gathered for matmuls die once forward is done (autograd keeps a handle to
     their layer's shards, not the weights); without the hooks autograd keeps them. In
-    backward the layer is gathered again once for all its saved weights, and that copy is
-    dropped when the layer's own backward (the reduce-scatter) has run. The forward's last
-    gather is kept for backward instead. The gradients are the same either way."""
+    backward a layer is gathered again once for all its saved weights, and that copy is
+    dropped when the layer's own backward (the reduce-scatter) has run; gathering it
+    again also issues the gather of the layer before it (asynchronously: backward needs
+    it next). The forward's last gather is kept for backward instead. The gradients are
+    the same either way."""
     from autohybrid.ops import groups, zero as zero_ops
     torch.manual_seed(0)
-    shards = [torch.randn(12, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    shards = [torch.randn(12, dtype=torch.float64, requires_grad=True) for _ in range(4)]
     x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
     groups.bind("dp", None)
-    calls = []
-    real_gather = zero_ops.gather
-    monkeypatch.setattr(zero_ops, "gather",
-                        lambda *a: calls.append(len(a[0])) or real_gather(*a))
+    calls = []                                   # (shards gathered, asynchronously)
+    real_start = zero_ops.gather_start
+    monkeypatch.setattr(zero_ops, "gather_start", lambda shards, group, async_op=False: (
+        calls.append((len(shards), async_op)) or real_start(shards, group, async_op)))
     layers = []
 
     class Layer(zero_ops._Layer):  # the objects behind the saved handles
@@ -256,9 +264,10 @@ def test_gathered_parameters_are_released_after_use_and_gathered_again(monkeypat
     def forward():
         w1, w2 = zero_gather(shards[:2], [[3, 4], [3, 4]], "dp")         # layer 1
         y = torch.ops.aten.mm.default(x, w1) * torch.ops.aten.mm.default(x, w2)
-        (w3,) = zero_gather(shards[2:], [[4, 3]], "dp")                  # layer 2 (last)
-        z = torch.ops.aten.mm.default(y, w3)
-        return z, [weakref.ref(w) for w in (w1, w2, w3)]
+        (w3,) = zero_gather(shards[2:3], [[4, 3]], "dp")                 # layer 2
+        y = torch.ops.aten.mm.default(y, w3)
+        (w4,) = zero_gather(shards[3:], [[3, 4]], "dp")                  # layer 3 (last)
+        return torch.ops.aten.mm.default(y, w4), [weakref.ref(w) for w in (w1, w2, w3, w4)]
 
     grads = []
     for release in (True, False):
@@ -267,14 +276,15 @@ def test_gathered_parameters_are_released_after_use_and_gathered_again(monkeypat
         with release_gathered(release):
             z, refs = forward()
         alive = [r() is not None for r in refs]
-        assert alive == ([False, False, True] if release else [True] * 3)
-        assert len(layers) == 2 * release
+        assert alive == ([False, False, False, True] if release else [True] * 4)
+        assert len(layers) == 3 * release
         if release:
-            assert layers[0]._whole is None and layers[1]._whole is not None
+            assert [layer._whole is None for layer in layers] == [True, True, False]
         grads.append(torch.autograd.grad(z.square().sum(), (x, *shards)))
-        # forward's gathers, plus with release one gather of layer 1's weights in backward
-        assert calls == ([2, 1, 2] if release else [2, 1]), calls
-        assert all(layer._whole is None for layer in layers)
+        forward_starts = [(2, True), (1, True), (1, True)]
+        # with release, backward gathers layer 2 again, which issues layer 1's gather
+        assert calls == forward_starts + ([(1, False), (2, True)] if release else []), calls
+        assert all(layer._whole is None and layer._pending is None for layer in layers)
     torch.testing.assert_close(grads[0], grads[1])
 
 

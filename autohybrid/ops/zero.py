@@ -7,10 +7,15 @@ shard of c elements. Several parameters go through one collective by concatenati
 shards: all-gather then gives a `(dp, Σc)` tensor whose row r is rank r's shards, and a
 reduce-scatter of gradients laid out as `(dp, Σc)` leaves each rank its rows' sums.
 
-`zero_gather(shards, shapes, axis)` is what ZeRO-3 graphs run before a layer uses its
-parameters (passes/zero.py): forward all-gathers the shards into whole parameters of
-`shapes`; backward reduce-scatters (sums) their gradients back to the shards, so each
-rank's shard gradient is the dp sum, as a bucketed all-reduce would give.
+ZeRO-3 graphs gather a layer's parameters before use in two nodes (passes/zero.py):
+`zero_gather_start(shards, dp, axis)` issues the all-gather (asynchronously) and returns
+the flat buffer it fills; `zero_gather_wait(flat, shards, shapes, ndims, axis)` waits and
+gives the whole parameters of `shapes`. Between the two, other work runs
+(passes/overlap.py moves starts up within a budget of bytes in flight). Backward (of the
+wait) reduce-scatters (sums) the parameters' gradients back to the shards, so each
+rank's shard gradient is the dp sum, as a bucketed all-reduce would give. The pending
+work of a start is found by the identity of its buffer. `zero_gather(shards, shapes,
+axis)` is the two back to back.
 
 Release after use: a gathered parameter dies once the graph no longer reads it, except
 where autograd saves it (or a view of it) for backward. `release_gathered()` is the
@@ -62,25 +67,40 @@ def _group(axis: str) -> dist.ProcessGroup | None:
     return group if group is not None and dist.get_world_size(group) > 1 else None
 
 
+def gather_start(shards: Sequence[torch.Tensor], group: dist.ProcessGroup | None,
+                 async_op: bool = False) -> tuple[torch.Tensor, object | None]:
+    """Issue the all-gather of every rank's flat `shards`: (the flat `(dp, Σc)` result,
+    its pending work or None). The result is valid only after `gather_finish`."""
+    local = torch.cat([s.detach().reshape(-1) for s in shards])
+    if group is None:
+        return local, None
+    flat = local.new_empty(dist.get_world_size(group) * local.numel())
+    work = groups.all_gather_single(flat, local, group=group, async_op=async_op)
+    return flat, work
+
+
+def gather_finish(flat: torch.Tensor, work: object | None, sizes: Sequence[int],
+                  shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Wait for `work`, then the whole tensors of `shapes` out of `flat` (their shards
+    have `sizes` elements each): new contiguous tensors, not views."""
+    if work is not None:
+        work.wait()
+    rows = flat.view(-1, sum(sizes))
+    outs, offset = [], 0
+    for size, shape in zip(sizes, shapes):
+        out = flat.new_empty(tuple(shape))
+        out.view(-1).copy_(rows[:, offset: offset + size].reshape(-1)[: out.numel()])
+        outs.append(out)
+        offset += size
+    return outs
+
+
 def gather(shards: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]],
            group: dist.ProcessGroup | None) -> list[torch.Tensor]:
     """Whole tensors of `shapes` from every rank's flat `shards`, in one all-gather (new
     contiguous tensors, not views)."""
-    outs = [shards[0].new_empty(tuple(shape)) for shape in shapes]
-    if group is None:
-        for out, s in zip(outs, shards):
-            out.view(-1).copy_(s.reshape(-1)[: out.numel()])
-        return outs
-    dp = dist.get_world_size(group)
-    local = torch.cat([s.reshape(-1) for s in shards])
-    flat = local.new_empty(dp * local.numel())
-    groups.all_gather_single(flat, local, group=group)
-    rows = flat.view(dp, local.numel())
-    offset = 0
-    for out, s in zip(outs, shards):
-        out.view(-1).copy_(rows[:, offset: offset + s.numel()].reshape(-1)[: out.numel()])
-        offset += s.numel()
-    return outs
+    flat, work = gather_start(shards, group)
+    return gather_finish(flat, work, [s.numel() for s in shards], shapes)
 
 
 def scatter_layout(grads: Sequence[torch.Tensor], dp: int) -> torch.Tensor:
@@ -118,29 +138,51 @@ def _unflatten(shapes: Sequence[int], ndims: Sequence[int]) -> list[list[int]]:
     return out
 
 
-@torch.library.custom_op("autohybrid::zero_gather", mutates_args=())
-def _zero_gather(shards: list[torch.Tensor], shapes: list[int], ndims: list[int],
-                 axis: str) -> list[torch.Tensor]:
-    outs = gather(shards, _unflatten(shapes, ndims), _group(axis))
+_PENDING: dict[int, object] = {}   # id(flat result of a start) → its pending work
+
+
+@torch.library.custom_op("autohybrid::zero_gather_start", mutates_args=())
+def _zero_gather_start(shards: list[torch.Tensor], dp: int, axis: str) -> torch.Tensor:
+    group = _group(axis)
+    flat, work = gather_start(shards, group, async_op=True)
+    if work is not None:
+        _PENDING[id(flat)] = work
+    return flat
+
+
+@_zero_gather_start.register_fake
+def _(shards, dp, axis):
+    return shards[0].new_empty(dp * sum(s.numel() for s in shards))
+
+
+def _start_setup(ctx, inputs, output) -> None:
+    ctx.count = len(inputs[0])
+
+
+def _start_backward(ctx, grad):
+    return [None] * ctx.count, None, None  # the shards' gradients come from the wait
+
+
+_zero_gather_start.register_autograd(_start_backward, setup_context=_start_setup)
+
+
+@torch.library.custom_op("autohybrid::zero_gather_wait", mutates_args=())
+def _zero_gather_wait(flat: torch.Tensor, shards: list[torch.Tensor], shapes: list[int],
+                      ndims: list[int], axis: str) -> list[torch.Tensor]:
+    outs = gather_finish(flat, _PENDING.pop(id(flat), None), [s.numel() for s in shards],
+                         _unflatten(shapes, ndims))
     if _TRACKING:
-        global _LAST
-        layer = _Layer([s.detach() for s in shards], [tuple(o.shape) for o in outs], axis)
-        for i, out in enumerate(outs):
-            _GATHERED[id(out)] = _Gathered(weakref.ref(out), layer, i)
-        if _LAST is not None:
-            _LAST.release()
-        layer.keep(outs)
-        _LAST = layer
+        _track(shards, outs, axis)
     return outs
 
 
-@_zero_gather.register_fake
-def _(shards, shapes, ndims, axis):
+@_zero_gather_wait.register_fake
+def _(flat, shards, shapes, ndims, axis):
     return [s.new_empty(d) for s, d in zip(shards, _unflatten(shapes, ndims))]
 
 
 def _setup(ctx, inputs, output) -> None:
-    ctx.axis = inputs[3]
+    ctx.axis = inputs[4]
     entry = _GATHERED.get(id(output[0])) if _TRACKING and output else None
     ctx.layer = entry.layer if entry is not None and entry.ref() is output[0] else None
 
@@ -155,43 +197,70 @@ def _backward(ctx, grads):
     out: list[torch.Tensor | None] = [None] * len(grads)
     for i, part in zip(present, parts):
         out[i] = part.clone()
-    return out, None, None, None
+    return None, out, None, None, None
 
 
-_zero_gather.register_autograd(_backward, setup_context=_setup)
+_zero_gather_wait.register_autograd(_backward, setup_context=_setup)
 
 
 def zero_gather(shards: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]],
                 axis: str) -> list[torch.Tensor]:
-    """Whole parameters of `shapes` from every rank's flat `shards` over `axis`."""
-    flat = [int(d) for shape in shapes for d in shape]
-    return _zero_gather(list(shards), flat, [len(s) for s in shapes], axis)
+    """Whole parameters of `shapes` from every rank's flat `shards` over `axis`: a start
+    and its wait, back to back."""
+    dims = [int(d) for shape in shapes for d in shape]
+    group = _group(axis)
+    dp = dist.get_world_size(group) if group is not None else 1
+    flat = _zero_gather_start(list(shards), dp, axis)
+    return _zero_gather_wait(flat, list(shards), dims, [len(s) for s in shapes], axis)
 
 
-#: the op graphs call (passes/zero.py): `zero_gather_op(shards, flat shapes, ndims, axis)`
-zero_gather_op = torch.ops.autohybrid.zero_gather.default
+#: the ops graphs call (passes/zero.py): `flat = zero_gather_start_op(shards, dp, axis)`
+#: issues the all-gather; `zero_gather_wait_op(flat, shards, flat shapes, ndims, axis)`
+#: waits for it and gives the whole parameters. passes/overlap.py moves starts earlier.
+zero_gather_start_op = torch.ops.autohybrid.zero_gather_start.default
+zero_gather_wait_op = torch.ops.autohybrid.zero_gather_wait.default
 
 
 # ------------------------------------------------------------------ release after use
 
 class _Layer:
-    """One `zero_gather` call made under `release_gathered`: its shards, and the whole
-    parameters gathered again for backward while some saved view still needs them."""
+    """One gather made under `release_gathered`: its shards, and the whole parameters
+    gathered again for backward while some saved view still needs them. `previous` is the
+    forward's gather before it: backward needs that one next, so when this layer is
+    gathered again the previous one's all-gather is issued too (prefetch) and runs while
+    this layer's backward computes."""
 
-    def __init__(self, shards: list[torch.Tensor], shapes: list[tuple[int, ...]], axis: str):
+    def __init__(self, shards: list[torch.Tensor], shapes: list[tuple[int, ...]], axis: str,
+                 previous: "_Layer | None" = None):
         self.shards, self.shapes, self.axis = shards, shapes, axis
+        self.previous = previous
+        self.saved = 0                 # views of its parameters autograd saved (handles)
         self._whole: list[torch.Tensor] | None = None
+        self._pending: tuple[torch.Tensor, object | None] | None = None
 
     def whole(self, index: int) -> torch.Tensor:
         if self._whole is None:
-            self._whole = gather(self.shards, self.shapes, _group(self.axis))
+            flat, work = self._pending or gather_start(self.shards, _group(self.axis))
+            self._pending = None
+            self._whole = gather_finish(flat, work, [s.numel() for s in self.shards],
+                                        self.shapes)
+            before = self.previous
+            if before is not None and before.saved and before._whole is None \
+                    and before._pending is None:
+                before._pending = gather_start(before.shards, _group(before.axis), True)
         return self._whole[index]
 
     def keep(self, whole: list[torch.Tensor]) -> None:
         self._whole = whole
 
-    def release(self) -> None:
+    def release_kept(self) -> None:
+        """Forward has moved on to the next gather: drop this one's whole parameters."""
         self._whole = None
+
+    def release(self) -> None:
+        """Its backward is done: drop the parameters gathered again."""
+        self._whole = None
+        self.previous = None
 
 
 @dataclass
@@ -220,10 +289,22 @@ _TRACKING = False
 _LAST: _Layer | None = None   # the latest gather of the forward, kept for its backward
 
 
+def _track(shards: list[torch.Tensor], outs: list[torch.Tensor], axis: str) -> None:
+    global _LAST
+    layer = _Layer([s.detach() for s in shards], [tuple(o.shape) for o in outs], axis, _LAST)
+    for i, out in enumerate(outs):
+        _GATHERED[id(out)] = _Gathered(weakref.ref(out), layer, i)
+    if _LAST is not None:
+        _LAST.release_kept()
+    layer.keep(outs)
+    _LAST = layer
+
+
 def _pack(t: torch.Tensor):
     base = t if t._base is None else t._base
     entry = _GATHERED.get(id(base))
     if entry is not None and entry.ref() is base:
+        entry.layer.saved += 1
         return _Regather(entry, tuple(t.size()), tuple(t.stride()), t.storage_offset())
     return t
 

@@ -10,13 +10,15 @@ layer before use, on the finished tp-local graph and before the stages are cut, 
 gather lands in the stage of its layer; `pipeline_split` last cuts the finished rank-local graph into stages (so
 a stage's graph carries its tp/sp collectives and sends tp-local activations);
 `recompute` after it wraps the blocks (or attention cores) of the graph and of every stage
-in checkpointed submodules, so it sees the final per-rank and per-stage graphs. Later
-passes (overlap → fusion) join this list as the runtime learns to execute them.
+in checkpointed submodules, so it sees the final per-rank and per-stage graphs; `overlap`
+last moves the issue of each split collective (ZeRO-3's gathers) up, within a budget of
+bytes in flight, on those final graphs. `fusion` joins this list when it exists.
 """
 from __future__ import annotations
 
 from .global_loss import global_loss
 from .manager import Pass, PassContext, run_passes
+from .overlap import overlap
 from .sync_batch_norm import sync_batch_norm
 from .pipeline_split import pipeline_split
 from .recompute import recompute
@@ -32,9 +34,10 @@ REGISTRY: dict[str, Pass] = {
     "zero": zero,
     "pipeline_split": pipeline_split,
     "recompute": recompute,
+    "overlap": overlap,
 }
 ORDER = ("global_loss", "sync_batch_norm", "tensor_parallel", "sequence_parallel", "zero",
-         "pipeline_split", "recompute")
+         "pipeline_split", "recompute", "overlap")
 
 
 def passes_for(graph_kind: str) -> list[tuple[str, Pass]]:

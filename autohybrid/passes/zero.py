@@ -3,9 +3,11 @@
 Why: with `Plan.zero == 3` a rank keeps 1/dp of every parameter between uses
 (runtime/zero.py holds the shards). The graph's parameter placeholders become those
 1-D shards (`ceil(n/dp)` elements of the tp-local parameter, ops/zero.py's layout), and
-each layer (search/layers.py) starts with one `zero_gather` of the parameters it reads:
-one all-gather per layer in forward and one reduce-scatter of their gradients in
-backward, FSDP's granularity. A layer whose parameters are smaller than the dp link moves
+each layer (search/layers.py) starts with one gather of the parameters it reads (a
+`zero_gather_start` that issues the all-gather and a `zero_gather_wait` that gives the
+whole parameters, back to back; passes/overlap.py moves the start earlier): one
+all-gather per layer in forward and one reduce-scatter of their gradients in backward,
+FSDP's granularity. A layer whose parameters are smaller than the dp link moves
 in one latency (`Plan.gather_min_mb`: a norm, a position table) shares its neighbour's
 gather instead of paying a collective's latency for itself. A parameter read by two
 layers (tied embedding and output weights) is gathered by each. The whole parameters die after their layer's last use;
@@ -21,7 +23,7 @@ the optimizer's and the reducer's business).
 Example::
 
     gm = zero(gm, ctx)     # ctx.plan.zero == 3, dp == 2
-    [n for n in gm.graph.nodes if n.target is zero_gather_op]   # one per layer
+    [n for n in gm.graph.nodes if n.target is zero_gather_wait_op]   # one per layer
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from ..graph import AH_ROLE, VAL, fake_mode, new_node
-from ..ops.zero import chunk, zero_gather_op
+from ..ops.zero import chunk, zero_gather_start_op, zero_gather_wait_op
 from ..search.layers import gather_groups, segment
 from .manager import PassContext
 
@@ -58,8 +60,11 @@ def zero(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         ndims = [whole[p].dim() for p in params]
         first = readers[0]
         with gm.graph.inserting_before(first):
-            gather = new_node(gm.graph, zero_gather_op, (params, shapes, ndims, AXIS), None,
-                              pass_name=PASS, mode=mode, like=first)
+            start = new_node(gm.graph, zero_gather_start_op, (params, plan.mesh.dp, AXIS),
+                             None, pass_name=PASS, mode=mode, like=first)
+            gather = new_node(gm.graph, zero_gather_wait_op,
+                              (start, params, shapes, ndims, AXIS), None, pass_name=PASS,
+                              mode=mode, like=first)
             items = [new_node(gm.graph, operator.getitem, (gather, i), None, pass_name=PASS,
                               mode=mode, like=first) for i in range(len(params))]
         for reader in readers:

@@ -12,7 +12,7 @@ then compute exactly what they would on whole parameters.
     2       buckets reduce-scattered in every microbatch's    all-gather per bucket)
             backward: only shard gradients outlive it
     3       reduce-scatter in backward, per layer            shards only: graphs gather
-            (ops/zero.py's `zero_gather`)                      each layer's parameters
+            (ops/zero.py's gather start/wait)                  each layer's parameters
                                                               before use (passes/zero.py)
 
 Gradients are scaled by 1/Σ denominators like every other gradient (passes/global_loss.py).
