@@ -119,6 +119,8 @@ def test_mixed_precision_matches_eager_autocast():
         ("gpt-tiny", torch.bfloat16, C(dp=1, tp=1, pp=2, schedule="1f1b",
                                        num_microbatches=2), "sgd"),
         ("mlp-tiny", torch.bfloat16, C(dp=2, tp=1, pp=1, zero=3), "adamw"),
+        ("gpt-tiny", torch.bfloat16, C(dp=2, tp=1, pp=1, zero=3,
+                                       grad_reduce_dtype="bfloat16"), "sgd"),
         ("gpt-tiny", torch.bfloat16, C(dp=2, tp=1, pp=1, grad_reduce_dtype="bfloat16"),
          "sgd"),
     ]

@@ -191,6 +191,10 @@ def test_zero3_graph_gathers_each_layer_once_from_shard_placeholders():
         if node.op == "placeholder" and node.meta.get("ah_role") == "param":
             n = whole[node.meta["ah_param"]].numel()
             assert tuple(node.meta["val"].shape) == (chunk(n, 2),)
+    assert all(n.args[5] is None for n in gathers)  # the gradients' own dtype
+    _, gm_bf16, _ = _rewrite("gpt-tiny", 3, grad_reduce_dtype="bfloat16")
+    waits = [n for n in gm_bf16.graph.nodes if n.target is zero_gather_wait_op]
+    assert waits and all(n.args[5] == "bfloat16" for n in waits)  # reduce-scattered so
     _, gm1, _ = _rewrite("gpt-tiny", 1)
     _, gm2, _ = _rewrite("gpt-tiny", 2)
     for g in (gm1, gm2):  # ZeRO 1/2 leave the graph alone (the reducer shards)

@@ -13,7 +13,8 @@ the flat buffer it fills; `zero_gather_wait(flat, shards, shapes, ndims, axis)` 
 gives the whole parameters of `shapes`. Between the two, other work runs
 (passes/overlap.py moves starts up within a budget of bytes in flight). Backward (of the
 wait) reduce-scatters (sums) the parameters' gradients back to the shards, so each
-rank's shard gradient is the dp sum, as a bucketed all-reduce would give. The pending
+rank's shard gradient is the dp sum, as a bucketed all-reduce would give; in
+`reduce_dtype` when given (`Plan.grad_reduce_dtype`), in the gradients' own otherwise. The pending
 work of a start is found by the identity of its buffer. `zero_gather(shards, shapes,
 axis)` is the two back to back.
 
@@ -168,7 +169,8 @@ _zero_gather_start.register_autograd(_start_backward, setup_context=_start_setup
 
 @torch.library.custom_op("autohybrid::zero_gather_wait", mutates_args=())
 def _zero_gather_wait(flat: torch.Tensor, shards: list[torch.Tensor], shapes: list[int],
-                      ndims: list[int], axis: str) -> list[torch.Tensor]:
+                      ndims: list[int], axis: str,
+                      reduce_dtype: str | None = None) -> list[torch.Tensor]:
     outs = gather_finish(flat, _PENDING.pop(id(flat), None), [s.numel() for s in shards],
                          _unflatten(shapes, ndims))
     if _TRACKING:
@@ -177,12 +179,13 @@ def _zero_gather_wait(flat: torch.Tensor, shards: list[torch.Tensor], shapes: li
 
 
 @_zero_gather_wait.register_fake
-def _(flat, shards, shapes, ndims, axis):
+def _(flat, shards, shapes, ndims, axis, reduce_dtype=None):
     return [s.new_empty(d) for s, d in zip(shards, _unflatten(shapes, ndims))]
 
 
 def _setup(ctx, inputs, output) -> None:
     ctx.axis = inputs[4]
+    ctx.reduce_dtype = inputs[5] if len(inputs) > 5 else None
     entry = _GATHERED.get(id(output[0])) if _TRACKING and output else None
     ctx.layer = entry.layer if entry is not None and entry.ref() is output[0] else None
 
@@ -193,11 +196,15 @@ def _backward(ctx, grads):
     # a parameter the loss does not reach gets no gradient, as in eager (every dp rank
     # runs the same graph, so all skip the same ones)
     present = [i for i, g in enumerate(grads) if g is not None]
-    parts = reduce_scatter_flat([grads[i] for i in present], _group(ctx.axis))
+    cast = getattr(torch, ctx.reduce_dtype) if ctx.reduce_dtype else None
+    sent = [grads[i] if cast is None else grads[i].to(cast) for i in present]
+    parts = reduce_scatter_flat(sent, _group(ctx.axis))
     out: list[torch.Tensor | None] = [None] * len(grads)
     for i, part in zip(present, parts):
-        out[i] = part.clone()
-    return None, out, None, None, None
+        out[i] = part.to(grads[i].dtype) if cast is not None else part.clone()
+    # one entry per input as autograd counts them (an optional argument not passed is
+    # not one; ctx.needs_input_grad has that structure)
+    return (None, out) + (None,) * (len(ctx.needs_input_grad) - 2)
 
 
 _zero_gather_wait.register_autograd(_backward, setup_context=_setup)

@@ -63,8 +63,8 @@ def zero(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             start = new_node(gm.graph, zero_gather_start_op, (params, plan.mesh.dp, AXIS),
                              None, pass_name=PASS, mode=mode, like=first)
             gather = new_node(gm.graph, zero_gather_wait_op,
-                              (start, params, shapes, ndims, AXIS), None, pass_name=PASS,
-                              mode=mode, like=first)
+                              (start, params, shapes, ndims, AXIS, plan.grad_reduce_dtype),
+                              None, pass_name=PASS, mode=mode, like=first)
             items = [new_node(gm.graph, operator.getitem, (gather, i), None, pass_name=PASS,
                               mode=mode, like=first) for i in range(len(params))]
         for reader in readers:
