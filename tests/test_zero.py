@@ -25,6 +25,7 @@ from _equiv import (OPTIMIZERS, Failures, compare_training, default_eager_loss, 
                     report, train_and_compare, zoo_batches, zoo_loss, zoo_model)
 from autohybrid.capture import capture
 from autohybrid.cost.memory import training_state
+from autohybrid.ops import zero as zero_ops
 from autohybrid.ops.zero import (chunk, release_gathered, zero_gather,
                                  zero_gather_start_op, zero_gather_wait_op)
 from autohybrid.passes import PassContext, passes_for, run_passes
@@ -121,6 +122,10 @@ def _zero_rank(rank: int, world: int, cases) -> list[str]:
         fails.check(f"{case}: ZeRO-{compiled.plan.zero}, shards "
                     f"{compiled.zero is not None}", compiled.zero is not None
                     and compiled.zero.stage == constraints.zero)
+        # every gather a start issued was waited for (found by its buffer) and none is
+        # left in flight after the step
+        fails.check(f"{case}: gathers left pending {len(zero_ops._PENDING)}",
+                    not zero_ops._PENDING)
     return fails
 
 
@@ -248,7 +253,7 @@ def test_gathered_parameters_are_released_after_use_and_gathered_again(monkeypat
     again also issues the gather of the layer before it (asynchronously: backward needs
     it next). The forward's last gather is kept for backward instead. The gradients are
     the same either way."""
-    from autohybrid.ops import groups, zero as zero_ops
+    from autohybrid.ops import groups
     torch.manual_seed(0)
     shards = [torch.randn(12, dtype=torch.float64, requires_grad=True) for _ in range(4)]
     x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
