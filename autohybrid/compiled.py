@@ -424,6 +424,12 @@ class CompiledModel:
         from .report.text import explain
         return explain(self)
 
+    def profile(self, batches: Any, steps: int | None = None, **kwargs: Any):
+        """Train `steps` steps on `batches` under torch.profiler; every rank's measured
+        Timeline (runtime/profile.py `profile_steps`; call on every rank)."""
+        from .runtime.profile import profile_steps
+        return profile_steps(self, batches, steps, **kwargs)
+
 
 def _loss_scaler(autocast: torch.dtype | None,
                  grad_scaler: torch.amp.GradScaler | bool | None) -> LossScaler | None:
