@@ -30,7 +30,11 @@ SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 LOOPED_SCHEDULES = ("interleaved", "looped-bfs", "zero-bubble")
 V_SCHEDULES = ("zbv", "dualpipev")
 RECOMPUTE = ("none", "selective", "full")
-COLLECTIVE_ALGORITHMS = ("flat", "hierarchical")
+#: The dp gradient all-reduce (ZeRO 0; ZeRO 1–3 reduce-scatter, "flat"): one ring over the
+#: dp group, "hierarchical" (intra-node reduce-scatter, concurrent inter-node all-reduces
+#: per local rank, intra-node all-gather) or "segmented" (the same, pipelined over
+#: segments): runtime/collectives.py, priced by cost/comm.py.
+COLLECTIVE_ALGORITHMS = ("flat", "hierarchical", "segmented")
 OPTIMIZERS = ("adam", "sgd", "none")
 REDUCE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
@@ -258,6 +262,7 @@ class Constraints:
         if self.zero is not None and (isinstance(self.zero, bool)
                                       or self.zero not in (0, 1, 2, 3)):
             raise PlanError(f"Constraints.zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        _check_zero_algorithm("Constraints", self.zero or 0, self.collective_algorithm)
         if self.bucket_mb is not None and (isinstance(self.bucket_mb, bool)
                                            or not isinstance(self.bucket_mb, (int, float))
                                            or not self.bucket_mb > 0):
@@ -321,6 +326,16 @@ def _check_choice(name: str, value: Any, allowed: tuple, optional: bool = False)
         raise PlanError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
 
 
+def _check_zero_algorithm(where: str, zero: int, algorithm: str | None) -> None:
+    """ZeRO 1–3 reduce-scatter the gradients: only ZeRO 0 all-reduces them hierarchically."""
+    if zero and algorithm not in (None, "flat"):
+        raise PlanError(
+            f"{where}.collective_algorithm={algorithm!r} with {where}.zero={zero}: ZeRO 1–3 "
+            f"reduce-scatter the gradients with the flat algorithm; the hierarchical "
+            f"all-reduces run with zero=0. Use zero=0 with collective_algorithm={algorithm!r},"
+            f" or zero={zero} with collective_algorithm='flat'")
+
+
 def _validate(plan: Plan) -> None:
     _check_choice("plan.schedule", plan.schedule, SCHEDULES)
     _check_choice("plan.recompute", plan.recompute, RECOMPUTE)
@@ -329,6 +344,7 @@ def _validate(plan: Plan) -> None:
     _check_choice("plan.grad_reduce_dtype", plan.grad_reduce_dtype, REDUCE_DTYPES, optional=True)
     if plan.zero not in (0, 1, 2, 3):
         raise PlanError(f"plan.zero must be 0..3, got {plan.zero!r}")
+    _check_zero_algorithm("plan", plan.zero, plan.collective_algorithm)
     for name in ("global_batch", "microbatch_size", "num_microbatches", "virtual_stages"):
         value = getattr(plan, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

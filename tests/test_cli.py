@@ -76,11 +76,12 @@ def test_plan_json_and_out(tmp_path) -> None:
 def test_plan_constrain_is_applied_and_text_report(capsys) -> None:
     code, out, err = _main(capsys, "plan", "gpt-tiny", "--cluster", "local:2",
                            "--global-batch", "8", "--constrain",
-                           "num_microbatches=2,zero=1,collective_algorithm=hierarchical", "--json")
+                           "num_microbatches=2,zero=0,collective_algorithm=hierarchical,"
+                           "collective_matmul=true", "--json")
     assert code == 0, err
     plan = ah.Plan.from_json(out)
-    assert plan.num_microbatches == 2 and plan.zero == 1 and not plan.executable
-    assert plan.collective_algorithm == "hierarchical"
+    assert plan.num_microbatches == 2 and plan.zero == 0 and not plan.executable
+    assert plan.collective_algorithm == "hierarchical" and plan.collective_matmul
     code, out, err = _main(capsys, "plan", "gpt-tiny", "--cluster", "local:2",
                            "--global-batch", "8")
     assert code == 0, err

@@ -73,13 +73,88 @@ def send_recv(cluster: _Cluster, ranks: Sequence[int], nbytes: float) -> float:
     return alpha + nbytes * beta
 
 
-def hierarchical_all_reduce(cluster: _Cluster, ranks: Sequence[int], nbytes: float) -> float:
-    """Intra-node reduce-scatter, g concurrent inter-node all-reduces of n/g, all-gather."""
+#: Segments of the "segmented" (pipelined) hierarchical all-reduce: the runtime cuts each
+#: gradient bucket into this many (runtime/collectives.py), the cost model prices it so.
+PIPELINE_SEGMENTS = 4
+
+
+def _by_node(cluster: _Cluster, ranks: Sequence[int]) -> list[list[int]] | None:
+    """`ranks` per node (torchrun placement), or None when a hierarchy does not apply:
+    one node, one rank per node, or nodes holding different numbers of the ranks (the
+    runtime then runs the flat all-reduce: runtime/collectives.split_by_node)."""
     g = cluster.devices_per_node
-    nodes = sorted({r // g for r in ranks})
-    local = [r for r in ranks if r // g == nodes[0]]
-    if len(nodes) <= 1 or len(local) <= 1:
+    nodes: dict[int, list[int]] = {}
+    for r in ranks:
+        nodes.setdefault(r // g, []).append(r)
+    groups = [nodes[n] for n in sorted(nodes)]
+    sizes = {len(group) for group in groups}
+    if len(groups) <= 1 or len(sizes) != 1 or sizes == {1}:
+        return None
+    return groups
+
+
+def _hierarchy_steps(cluster: _Cluster, groups: list[list[int]], ranks: Sequence[int],
+                     nbytes: float) -> tuple[float, float]:
+    """(intra-node reduce-scatter (= all-gather) of `nbytes`, the g concurrent inter-node
+    all-reduces of nbytes / g). The inter-node step runs on the network link with the NIC
+    sharing of the whole group (`link_for(ranks)`: the g ranks of a node that share a
+    NIC share its bandwidth), the reference's g/r slow-down with r NICs per node."""
+    local, nodes = groups[0], len(groups)
+    g = len(local)
+    intra = reduce_scatter(cluster, local, nbytes)
+    alpha, beta = _link(cluster, ranks)
+    inter = 2 * (nodes - 1) * alpha + 2 * (nodes - 1) / nodes * (nbytes / g) * beta
+    return intra, inter
+
+
+def hierarchical_all_reduce(cluster: _Cluster, ranks: Sequence[int], nbytes: float) -> float:
+    """Intra-node reduce-scatter, g concurrent inter-node all-reduces of n/g, all-gather:
+
+        T = 2(g−1)α_i + 2(g−1)/g · nβ_i + 2(N−1)α_e + 2(N−1)/N · (n/g)β_e
+
+    (`shared/reference/hardware_and_formulas.md`, "Hierarchical all-reduce"; β_e slowed
+    by the NIC sharing). The flat ring all-reduce where no hierarchy applies."""
+    groups = _by_node(cluster, ranks)
+    if groups is None or nbytes <= 0:
         return all_reduce(cluster, ranks, nbytes)
-    leaders = [n * g + local[0] % g for n in nodes]
-    intra = 2 * reduce_scatter(cluster, local, nbytes)
-    return intra + all_reduce(cluster, leaders, nbytes / len(local))
+    intra, inter = _hierarchy_steps(cluster, groups, ranks, nbytes)
+    return 2 * intra + inter
+
+
+def segmented_all_reduce(cluster: _Cluster, ranks: Sequence[int], nbytes: float,
+                         segments: int = PIPELINE_SEGMENTS) -> float:
+    """The hierarchical all-reduce cut into S segments and pipelined: segment k's
+    inter-node all-reduce runs while segment k+1 is reduce-scattered (and k−1 all-gathered)
+    inside the node. With the per-segment steps t_rs = t_ag (intra-node, n/S bytes) and
+    t_ar (inter-node, n/(gS)) of `hierarchical_all_reduce`:
+
+        T = t_rs + t_ar + t_ag + (S−1) · max(t_rs + t_ag, t_ar)
+
+    the usual pipeline bound (fill and drain once, then the slowest resource per
+    segment: the node's link carries both reduce-scatter and all-gather). Not in the
+    reference sheet: derived here from its hierarchical formula; pipelining the phases of
+    a decomposed all-reduce over chunks is BlueConnect's (Cho et al., SysML 2019). Each
+    segment pays every latency again, so it wins over `hierarchical_all_reduce` for large
+    n when the intra- and inter-node steps take comparable time."""
+    groups = _by_node(cluster, ranks)
+    if groups is None or nbytes <= 0:
+        return all_reduce(cluster, ranks, nbytes)
+    s = max(1, int(segments))
+    rs, ar = _hierarchy_steps(cluster, groups, ranks, nbytes / s)
+    return 2 * rs + ar + (s - 1) * max(2 * rs, ar)
+
+
+def dp_all_reduce(cluster: _Cluster, ranks: Sequence[int], nbytes: float,
+                  algorithm: str = "flat") -> float:
+    """The all-reduce of `nbytes` over `ranks` with a Plan.collective_algorithm."""
+    if algorithm == "hierarchical":
+        return hierarchical_all_reduce(cluster, ranks, nbytes)
+    if algorithm == "segmented":
+        return segmented_all_reduce(cluster, ranks, nbytes)
+    return all_reduce(cluster, ranks, nbytes)
+
+
+def hierarchy_applies(cluster: _Cluster, ranks: Sequence[int]) -> bool:
+    """Whether the hierarchical algorithms differ from the flat one on `ranks`: several
+    nodes, several ranks on each, as many on every node."""
+    return _by_node(cluster, ranks) is not None

@@ -33,6 +33,7 @@ from ..errors import AutohybridError
 from ..ops.groups import all_gather_single
 from ..ops.zero import release_gathered
 from ..plan import Plan
+from .collectives import gradient_all_reduce
 from .precision import LossScaler, any_nonfinite
 from .reducer import GradReducer
 from .zero import ZeroShards
@@ -66,7 +67,9 @@ class Executor:
         reduce_dtype = getattr(torch, plan.grad_reduce_dtype) if plan.grad_reduce_dtype else None
         self.reducer = GradReducer(params if stage < 3 else [], dp_group,
                                    int(plan.bucket_mb * 2**20), shards=shards,
-                                   reduce_dtype=reduce_dtype)
+                                   reduce_dtype=reduce_dtype,
+                                   all_reduce=gradient_all_reduce(plan, dp_group)
+                                   if stage == 0 else None)
         self.last_backward_end: float | None = None
         #: called as `hook(m)` after microbatch m's backward (and its ZeRO-2 gradient
         #: collection) when no pipeline runs: what tests inspect between microbatches

@@ -10,9 +10,7 @@ from ..plan import Plan
 
 def unsupported(plan: Plan) -> list[str]:
     """Why the runtime cannot run `plan` yet (empty when it can)."""
-    reasons = []
-    if plan.collective_algorithm != "flat":
-        reasons.append(f"collective_algorithm={plan.collective_algorithm!r} is not executable yet")
+    reasons = []  # every collective_algorithm runs (runtime/collectives.py)
     if plan.collective_matmul:
         reasons.append("collective_matmul=True is not executable yet")
     return reasons

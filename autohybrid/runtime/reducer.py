@@ -3,13 +3,14 @@
 Parameters are grouped into buckets in the reverse of their first use in the forward
 graph (the order backward makes their gradients ready). A post-accumulate-grad hook
 counts ready gradients; when a bucket is complete its flattened gradients are all-reduced
-asynchronously while backward continues. `finish` waits, writes the sums back scaled by
-`1 / Σ denominators` (see passes/global_loss.py) and records, per bucket, when it was
-launched and how many gradients were still pending — the structural proof of overlap.
-A parameter without a gradient (frozen, or not used by the loss) has none on every rank,
-since every rank runs the same graph, and keeps none, as in eager (an optimizer must not
-see a zero gradient: weight decay would still move it); its bucket carries zeros so that
-all ranks issue the same collectives.
+asynchronously while backward continues (flat over `group`, or with `all_reduce` given,
+by the Plan's hierarchical or segmented algorithm: runtime/collectives.py). `finish`
+waits, writes the sums back scaled by `1 / Σ denominators` (see passes/global_loss.py)
+and records, per bucket, when it was launched and how many gradients were still
+pending — the structural proof of overlap. A parameter without a gradient (frozen, or
+not used by the loss) has none on every rank, since every rank runs the same graph, and
+keeps none, as in eager (an optimizer must not see a zero gradient: weight decay would
+still move it); its bucket carries zeros so that all ranks issue the same collectives.
 
 With ZeRO-1/2 (`shards` given: runtime/zero.py) a bucket is reduce-scattered instead,
 laid out as ops/zero.py's `(dp, Σc)` shards, the whole gradients are dropped as soon as
@@ -53,6 +54,9 @@ class GradReducer:
     bucket_bytes: int
     shards: dict[int, torch.nn.Parameter] | None = None   # ZeRO-1/2: id(param) → shard
     reduce_dtype: torch.dtype | None = None   # cast buckets to it for the collective
+    #: ZeRO 0: starts a bucket's sum, `.start(flat)` → work (runtime/collectives.AllReduce);
+    #: None: `dist.all_reduce` over `group`
+    all_reduce: object | None = None
     buckets: list[Bucket] = field(default_factory=list)
     events: list[LaunchEvent] = field(default_factory=list)
     active: bool = False
@@ -104,7 +108,9 @@ class GradReducer:
         if self.shards is None:
             bucket.flat = torch.cat([g.reshape(-1) for g in grads])
             if self.world > 1:
-                bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+                bucket.work = (self.all_reduce.start(bucket.flat) if self.all_reduce is not None
+                               else dist.all_reduce(bucket.flat, group=self.group,
+                                                    async_op=True))
         else:
             flat = scatter_layout(grads, self.world)
             bucket.flat = flat if self.world == 1 else flat.new_empty(flat.numel() // self.world)

@@ -3,7 +3,10 @@
 Pure functions of (model profile, cluster, options): the same inputs give the same Plan
 on every rank. The space is the mesh (tp inside a node, pp, dp), sequence parallelism,
 microbatch size, pipeline schedule (and its virtual stages per rank: every schedule of
-torch.distributed.pipelining that can run the layout), recomputation and ZeRO stage.
+torch.distributed.pipelining that can run the layout), recomputation, ZeRO stage and,
+with ZeRO 0, the dp gradient all-reduce algorithm ("flat", "hierarchical", "segmented":
+the non-flat ones only where the dp group spans several nodes with several ranks on
+each, where they price differently).
 Pruning: for each ZeRO stage, more recomputation is only tried when less does not fit
 (it only adds time); layer times and the stage split are cached per microbatch shape. Candidates the
 runtime cannot execute are priced too (so `ah.plan` can show them) and marked;
@@ -18,11 +21,12 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
+from ..cost.comm import hierarchy_applies
 from ..cost.memory import usable_bytes
 from ..errors import NoPlanFitsError, NotExecutableError, PlanError
 from ..plan import (Alternative, Constraints, Mesh, NodeSharding, Plan, RankPlacement,
                     schedule_problem)
-from .pricing import Layout, Priced, gather_min_mb, price
+from .pricing import Layout, Priced, _dp_ranks, gather_min_mb, price
 from .space import ModelProfile
 
 #: Gradient bucket size when nothing pins it (PyTorch DDP's default).
@@ -72,8 +76,11 @@ class Candidate:
     def summary(self) -> str:
         lay = self.layout
         sched = f" {lay.schedule}" + (f"×{lay.virtual_stages}" if lay.virtual_stages > 1 else "")
+        algorithm = (f" {lay.collective_algorithm} all-reduce"
+                     if lay.collective_algorithm != "flat" else "")
         return (f"{lay.mesh.describe()} microbatch {lay.microbatch_size}×{lay.num_microbatches}"
-                f"{sched if lay.mesh.pp > 1 else ''} zero{lay.zero} recompute={lay.recompute}")
+                f"{sched if lay.mesh.pp > 1 else ''} zero{lay.zero} recompute={lay.recompute}"
+                f"{algorithm}")
 
 
 def search(profile: ModelProfile, cluster, request: PlanRequest,
@@ -90,7 +97,7 @@ def search(profile: ModelProfile, cluster, request: PlanRequest,
     progress = _Progress(start)
     cache: dict = {}
     for base in _layouts(profile, cluster, request, skipped):
-        for levels in _variants(base, request.constraints):
+        for levels in _variants(base, request.constraints, cluster):
             for layout in levels:
                 reasons = checker.reasons(layout, profile)
                 if executable_only and reasons:
@@ -261,19 +268,35 @@ def _pinned_starts(profile: ModelProfile, pinned: Constraints) -> tuple[int, ...
     return tuple(starts)
 
 
-def _variants(base: Layout, pinned: Constraints) -> Iterator[list[Layout]]:
-    """`base` per ZeRO stage, each as its recompute levels none→selective→full.
+def _variants(base: Layout, pinned: Constraints, cluster) -> Iterator[list[Layout]]:
+    """`base` per ZeRO stage (and, for ZeRO 0, per dp all-reduce algorithm), each as its
+    recompute levels none→selective→full.
 
     For a fixed ZeRO stage more recomputation only adds time, so a level is tried only
     when the ones before it do not fit. ZeRO stages are all priced: a sharded optimizer
-    update can be faster, and a higher stage can fit without recomputation.
+    update can be faster, and a higher stage can fit without recomputation. ZeRO 1–3
+    reduce-scatter their gradients ("flat"); a pinned non-flat algorithm keeps ZeRO 0.
     """
     recomputes = [pinned.recompute] if pinned.recompute else ["none", "selective", "full"]
     zeros = [pinned.zero] if pinned.zero is not None else [0, 1, 2, 3]
     if base.mesh.dp == 1 and pinned.zero is None:
         zeros = [0]  # nothing to shard the state over
+    if pinned.collective_algorithm not in (None, "flat"):
+        zeros = [0]  # (Constraints refuses it with a pinned zero > 0)
     for zero in zeros:
-        yield [replace(base, recompute=recompute, zero=zero) for recompute in recomputes]
+        for algorithm in _algorithms(base, pinned, cluster, zero):
+            yield [replace(base, recompute=recompute, zero=zero,
+                           collective_algorithm=algorithm) for recompute in recomputes]
+
+
+def _algorithms(base: Layout, pinned: Constraints, cluster, zero: int) -> list[str]:
+    """The dp all-reduce algorithms to price: the pinned one; else "flat", and with ZeRO
+    0 the hierarchical ones where they differ from it (the cheapest then wins)."""
+    if pinned.collective_algorithm is not None:
+        return [pinned.collective_algorithm]
+    if zero == 0 and base.mesh.dp > 1 and hierarchy_applies(cluster, _dp_ranks(base)):
+        return ["flat", "hierarchical", "segmented"]
+    return ["flat"]
 
 
 def _refuse_pinned_features(pinned: Constraints,
@@ -312,7 +335,7 @@ class _Executability:
 
     def reasons(self, layout: Layout, profile: ModelProfile) -> list[str]:
         key = (layout.mesh, layout.schedule, layout.virtual_stages, layout.recompute,
-               layout.zero, layout.num_microbatches > 1)
+               layout.zero, layout.num_microbatches > 1, layout.collective_algorithm)
         if key not in self._reasons:
             plan = _plan_for(layout, self.request, self.cluster, self.cluster_hash,
                              self.placement(layout.mesh), ())
@@ -337,7 +360,7 @@ def _plan_for(layout: Layout, request: PlanRequest, cluster, cluster_hash: str,
         dtype=request.dtype, optimizer=request.optimizer, schedule=layout.schedule,
         virtual_stages=layout.virtual_stages, stage_boundaries=boundaries,
         recompute=layout.recompute, zero=layout.zero, bucket_mb=layout.bucket_mb,
-        collective_algorithm=pinned.collective_algorithm or "flat",
+        collective_algorithm=layout.collective_algorithm,
         collective_matmul=bool(pinned.collective_matmul), model_ref=request.model_ref,
         grad_reduce_dtype=pinned.grad_reduce_dtype,
         gather_min_mb=gather_min_mb(cluster, layout),

@@ -78,6 +78,7 @@ class Layout:
     recompute: str = "none"
     zero: int = 0
     bucket_mb: float = 25.0
+    collective_algorithm: str = "flat"   # the dp gradient all-reduce (ZeRO 0)
 
 
 @dataclass(frozen=True)
@@ -493,7 +494,8 @@ def _dp_sync(cluster, layout: Layout, nbytes: float,
     (a reduction that overlaps a backward in buckets, how many times per step, time that
     overlaps nothing).
 
-    ZeRO 0: one all-reduce in the last backward. ZeRO-1: a reduce-scatter there, and the
+    ZeRO 0: one all-reduce in the last backward, flat, hierarchical or segmented as the
+    layout says (cost/comm.py: `dp_all_reduce`). ZeRO-1: a reduce-scatter there, and the
     updated parameters all-gathered after the optimizer step (2Ψ like an all-reduce; the
     ZeRO paper). ZeRO-2: the reduce-scatter in every microbatch's backward. ZeRO-3: each
     microbatch gathers the parameters before each layer's forward and again in backward
@@ -505,7 +507,7 @@ def _dp_sync(cluster, layout: Layout, nbytes: float,
         return 0.0, 1, 0.0
     ranks = _dp_ranks(layout)
     if layout.zero == 0:
-        return comm.all_reduce(cluster, ranks, nbytes), 1, 0.0
+        return comm.dp_all_reduce(cluster, ranks, nbytes, layout.collective_algorithm), 1, 0.0
     scatter = comm.reduce_scatter(cluster, ranks, nbytes)
     gather = comm.all_gather(cluster, ranks, nbytes)
     m = layout.num_microbatches
