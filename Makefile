@@ -23,7 +23,7 @@ test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
 # The whole plan-space matrix (tests/_matrix.py): the CI sample plus every other valid
-# case; about 1.5 h on a 2-core machine.
+# case; 1 h 29 min on a 2-core machine with other jobs alongside (load 10-28).
 test-full: $(STAMP)
 	AUTOHYBRID_TEST_FULL=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/test_matrix.py
 

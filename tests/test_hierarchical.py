@@ -12,12 +12,7 @@ training with each algorithm against eager (SGD and AdamW).
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import subprocess
-import sys
-import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -28,11 +23,8 @@ from autohybrid.cost import comm
 from autohybrid.errors import PlanError
 from autohybrid.plan import Mesh, Plan, RankPlacement
 from autohybrid.runtime import collectives
-from autohybrid.runtime.launch import free_port
 
-from _equiv import wait_dead
-from _procs import live_children
-from test_multinode import TAG, _readable, _stop, _tagged_pids
+from test_multinode import _readable, _run_two_nodes as run_two_nodes
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "hierarchical_train.py"
@@ -206,35 +198,8 @@ def test_pinned_algorithm_is_recorded_and_zero_keeps_flat(gpt):
 
 # ============================================================================ two nodes
 def _run_two_nodes(tmp_path: Path) -> list[str]:
-    """Both torchruns of SCRIPT (as test_multinode's runner): wait, clean up, the logs."""
-    tag, port = uuid.uuid4().hex, free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOHYBRID_")}
-    env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", TAG: tag,
-                "AUTOHYBRID_COLLECTIVE_TIMEOUT_S": "30"})
-    procs: list[subprocess.Popen] = []
-    try:
-        for node in range(NODES):
-            with open(tmp_path / f"node{node}.log", "w") as log:
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES),
-                     "--nproc-per-node", str(PER_NODE), "--node-rank", str(node),
-                     "--master-addr", "127.0.0.1", "--master-port", str(port), str(SCRIPT)],
-                    env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
-                    start_new_session=True))
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while (any(p.poll() is None for p in procs) and time.monotonic() < deadline
-               and not any(p.poll() for p in procs)):
-            time.sleep(0.2)
-        codes = [p.poll() for p in procs]
-    finally:
-        _stop(procs, tag)
-    logs = [(tmp_path / f"node{node}.log").read_text() for node in range(NODES)]
-    assert wait_dead(_tagged_pids(tag)) == [] and live_children(os.getpid()) == []
-    assert codes == [0] * NODES, (f"torchrun exit codes {codes} (None: stopped while "
-                                  f"running, after another failed or {RUN_TIMEOUT_S} s)\n"
-                                  + "\n".join(f"--- node {n}:\n{_readable(log)}"
-                                              for n, log in enumerate(logs)))
-    return logs
+    """Both torchruns of SCRIPT, as test_multinode runs its own."""
+    return run_two_nodes(tmp_path, SCRIPT, RUN_TIMEOUT_S)
 
 
 def _lines(log: str) -> dict[int, list[str]]:

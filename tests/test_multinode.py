@@ -180,8 +180,10 @@ def _stop(procs: list[subprocess.Popen], tag: str) -> None:
             os.kill(pid, signal.SIGKILL)
 
 
-def _run_two_nodes(tmp_path: Path) -> list[str]:
-    """Start both torchruns, wait for both (or the first failure); the two logs."""
+def _run_two_nodes(tmp_path: Path, script: Path = SCRIPT,
+                   timeout_s: float = RUN_TIMEOUT_S) -> list[str]:
+    """Start both torchruns of `script`, wait for both (or the first failure, or
+    `timeout_s`), clean up; the two logs (tests/test_hierarchical.py runs its own)."""
     tag, port = uuid.uuid4().hex, free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOHYBRID_")}
     env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", TAG: tag,
@@ -193,10 +195,10 @@ def _run_two_nodes(tmp_path: Path) -> list[str]:
                 procs.append(subprocess.Popen(
                     [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES),
                      "--nproc-per-node", str(PER_NODE), "--node-rank", str(node),
-                     "--master-addr", "127.0.0.1", "--master-port", str(port), str(SCRIPT)],
+                     "--master-addr", "127.0.0.1", "--master-port", str(port), str(script)],
                     env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
                     start_new_session=True))
-        deadline = time.monotonic() + RUN_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         while (any(p.poll() is None for p in procs) and time.monotonic() < deadline
                and not any(p.poll() for p in procs)):
             time.sleep(0.2)
@@ -206,7 +208,7 @@ def _run_two_nodes(tmp_path: Path) -> list[str]:
     logs = [(tmp_path / f"node{node}.log").read_text() for node in range(NODES)]
     assert wait_dead(_tagged_pids(tag)) == [] and live_children(os.getpid()) == []
     assert codes == [0] * NODES, (f"torchrun exit codes {codes} (None: stopped while "
-                                  f"running, after another failed or {RUN_TIMEOUT_S} s)\n"
+                                  f"running, after another failed or {timeout_s} s)\n"
                                   + "\n".join(
                                       f"--- node {n}:\n{_readable(log)}"
                                       for n, log in enumerate(logs)))

@@ -26,7 +26,7 @@ from ..cost.memory import usable_bytes
 from ..errors import NoPlanFitsError, NotExecutableError, PlanError
 from ..plan import (Alternative, Constraints, Mesh, NodeSharding, Plan, RankPlacement,
                     schedule_problem)
-from .pricing import Layout, Priced, _dp_ranks, gather_min_mb, price
+from .pricing import Layout, Priced, dp_ranks, gather_min_mb, price
 from .space import ModelProfile
 
 #: Gradient bucket size when nothing pins it (PyTorch DDP's default).
@@ -294,7 +294,7 @@ def _algorithms(base: Layout, pinned: Constraints, cluster, zero: int) -> list[s
     0 the hierarchical ones where they differ from it (the cheapest then wins)."""
     if pinned.collective_algorithm is not None:
         return [pinned.collective_algorithm]
-    if zero == 0 and base.mesh.dp > 1 and hierarchy_applies(cluster, _dp_ranks(base)):
+    if zero == 0 and base.mesh.dp > 1 and hierarchy_applies(cluster, dp_ranks(base)):
         return ["flat", "hierarchical", "segmented"]
     return ["flat"]
 

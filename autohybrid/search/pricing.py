@@ -389,7 +389,7 @@ class Held:
     params: tuple[float, ...]
     tensors: int
     distinct: tuple[int, ...]
-    gathers: tuple[int, ...] = ()    # per rank: its layers that read parameters (ZeRO-3)
+    gathers: tuple[int, ...] = ()    # per rank: its ZeRO-3 gathers (layers.gather_groups)
 
 
 def _held(profile: ModelProfile, stages: Split, shape: tuple, cache: dict,
@@ -475,7 +475,7 @@ def _ranks_memory_and_sync(cluster, layout: Layout, stages: Split, held: Held, d
     return worst, grad_sync, exposed
 
 
-def _dp_ranks(layout: Layout) -> list[int]:
+def dp_ranks(layout: Layout) -> list[int]:
     """One dp group: the ranks with the same pp and tp coordinate as rank 0."""
     return [layout.mesh.tp * i for i in range(layout.mesh.dp)]
 
@@ -485,7 +485,7 @@ def gather_min_mb(cluster, layout: Layout) -> float:
     moves in one latency share a neighbour's gather (passes/zero.py)."""
     if layout.zero < 3 or layout.mesh.dp == 1:
         return 0.0
-    return comm.latency_bytes(cluster, _dp_ranks(layout)) / 2**20
+    return comm.latency_bytes(cluster, dp_ranks(layout)) / 2**20
 
 
 def _dp_sync(cluster, layout: Layout, nbytes: float,
@@ -499,13 +499,14 @@ def _dp_sync(cluster, layout: Layout, nbytes: float,
     updated parameters all-gathered after the optimizer step (2Ψ like an all-reduce; the
     ZeRO paper). ZeRO-2: the reduce-scatter in every microbatch's backward. ZeRO-3: each
     microbatch gathers the parameters before each layer's forward and again in backward
-    and reduce-scatters their gradients, synchronously (runtime/zero.py: 3Ψ per microbatch,
-    none of it overlapped), in three collectives for each of the rank's `gathers` layers
-    with parameters: each collective's latency counts."""
+    and reduce-scatters their gradients (runtime/zero.py: 3Ψ per microbatch), in three
+    collectives for each of the rank's `gathers`: each collective's latency counts. All
+    of it is priced exposed: the reduce-scatters are synchronous, and the prefetch of the
+    gathers (passes/overlap.py, backward's next layer) is not credited yet."""
     mesh = layout.mesh
     if mesh.dp == 1:
         return 0.0, 1, 0.0
-    ranks = _dp_ranks(layout)
+    ranks = dp_ranks(layout)
     if layout.zero == 0:
         return comm.dp_all_reduce(cluster, ranks, nbytes, layout.collective_algorithm), 1, 0.0
     scatter = comm.reduce_scatter(cluster, ranks, nbytes)
