@@ -7,12 +7,12 @@ each layer (search/layers.py) starts with one gather of the parameters it reads 
 `zero_gather_start` that issues the all-gather and a `zero_gather_wait` that gives the
 whole parameters, back to back; passes/overlap.py moves the start earlier): one
 all-gather per layer in forward and one reduce-scatter of their gradients in backward,
-FSDP's granularity. A layer whose parameters are smaller than the dp link moves
-in one latency (`Plan.gather_min_mb`: a norm, a position table) shares its neighbour's
-gather instead of paying a collective's latency for itself. A parameter read by two
-layers (tied embedding and output weights) is gathered by each. The whole parameters die after their layer's last use;
-those autograd saves for backward are released by the runtime's saved-tensor hooks
-(ops/zero.py `release_gathered`) and gathered again in backward.
+FSDP's granularity. A layer whose parameters are smaller than the dp link moves in one
+latency (`Plan.gather_min_mb`: a norm, a position table) shares its neighbour's gather
+instead of paying a collective's latency for itself. A parameter read by two layers
+(tied embedding and output weights) is gathered by each. The whole parameters die after
+their layer's last use; those autograd saves for backward are released by the runtime's
+saved-tensor hooks (ops/zero.py `release_gathered`) and gathered again in backward.
 
 Where: after tensor/sequence parallelism (the shards are of tp-local parameters) and
 before pipeline_split (a gather is in its layer, so in the stage that reads it) and
