@@ -28,3 +28,22 @@ def is_dead(pid: int) -> bool:
     except OSError:
         return True
     return state == "Z"
+
+
+def torchrun_main(main, label: str) -> None:
+    """The body of a script torchrun starts on each rank (tests/scripts/*_train.py): run
+    `main(rank, cluster)` → (lines, mismatches) under `ah.launch` on `Cluster.from_env()`,
+    write the lines prefixed with `label`, the rank and its node, in one write (the ranks
+    of a node share torchrun's stdout; print writes "\\n" apart), and exit 1 on a mismatch."""
+    import os
+    import sys
+
+    import autohybrid as ah
+
+    cluster = ah.Cluster.from_env()
+    [(lines, fails)] = ah.launch(main, cluster, args=(cluster,))
+    rank, node = int(os.environ["RANK"]), int(os.environ["GROUP_RANK"])
+    prefix = f"{label} rank {rank} node {node} local {os.environ['LOCAL_RANK']}:"
+    lines += [f"MISMATCH {line}" for line in fails] or ["OK"]
+    os.write(sys.stdout.fileno(), "".join(f"{prefix} {line}\n" for line in lines).encode())
+    sys.exit(1 if fails else 0)

@@ -30,6 +30,7 @@ import torch.distributed as dist  # noqa: E402
 import autohybrid as ah  # noqa: E402
 from autohybrid.plan import Mesh, Plan, RankPlacement  # noqa: E402
 from autohybrid.runtime import collectives  # noqa: E402
+from _procs import torchrun_main  # noqa: E402
 from _equiv import (OPTIMIZERS, Failures, compare_training, default_eager_loss,  # noqa: E402
                     lm_loss, zoo_batches, zoo_model)
 
@@ -152,11 +153,4 @@ def main(rank: int, cluster: ah.Cluster) -> tuple[list[str], list[str]]:
 
 
 if __name__ == "__main__":
-    cluster = ah.Cluster.from_env()
-    [(lines, fails)] = ah.launch(main, cluster, args=(cluster,))
-    rank, node = int(os.environ["RANK"]), int(os.environ["GROUP_RANK"])
-    prefix = f"hierarchical rank {rank} node {node} local {os.environ['LOCAL_RANK']}:"
-    lines += [f"MISMATCH {line}" for line in fails] or ["OK"]
-    # one write: the ranks of a node share torchrun's stdout
-    os.write(sys.stdout.fileno(), "".join(f"{prefix} {line}\n" for line in lines).encode())
-    sys.exit(1 if fails else 0)
+    torchrun_main(main, "hierarchical")

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/_equiv.py
 import torch.distributed as dist  # noqa: E402
 
 import autohybrid as ah  # noqa: E402
+from _procs import torchrun_main  # noqa: E402
 from _equiv import (OPTIMIZERS, Failures, compare_training, default_eager_loss,  # noqa: E402
                     lm_loss, zoo_batches, zoo_model)
 
@@ -111,11 +112,4 @@ def main(rank: int, cluster: ah.Cluster) -> tuple[list[str], list[str]]:
 
 
 if __name__ == "__main__":
-    cluster = ah.Cluster.from_env()
-    [(lines, fails)] = ah.launch(main, cluster, args=(cluster,))
-    rank, node = int(os.environ["RANK"]), int(os.environ["GROUP_RANK"])
-    prefix = f"multinode rank {rank} node {node} local {os.environ['LOCAL_RANK']}:"
-    lines += [f"MISMATCH {line}" for line in fails] or ["OK"]
-    # one write: the ranks of a node share torchrun's stdout (print writes "\n" apart)
-    os.write(sys.stdout.fileno(), "".join(f"{prefix} {line}\n" for line in lines).encode())
-    sys.exit(1 if fails else 0)
+    torchrun_main(main, "multinode")
