@@ -104,6 +104,15 @@ class Prediction:
 
 
 @dataclass(frozen=True)
+class ChunkedLayer:
+    """A layer (search/layers.py name) whose sequence-parallel linears run as collective
+    matmuls in `chunks` pipelined pieces (ops/collective_matmul.py)."""
+
+    layer: str
+    chunks: int
+
+
+@dataclass(frozen=True)
 class NodeSharding:
     """Placement of one graph node's output on the tp axis (DTensor vocabulary)."""
 
@@ -143,6 +152,10 @@ class Plan:
     bucket_mb: float = 25.0
     collective_algorithm: str = "flat"
     collective_matmul: bool = False
+    #: the layers whose all-gather → linear and linear → reduce-scatter run chunked, and in
+    #: how many chunks (chosen per layer by the cost model; every such layer when
+    #: `Constraints(collective_matmul=True)`); empty unless `collective_matmul`
+    collective_matmul_layers: tuple[ChunkedLayer, ...] = ()
     #: dtype the dp gradient reduction runs in (None: the gradients' own, i.e. the fp32
     #: master weights' under mixed precision; "bfloat16" halves the bytes sent)
     grad_reduce_dtype: str | None = None
@@ -271,6 +284,10 @@ class Constraints:
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise PlanError(f"Constraints.{name} must be True or False, got {value!r}")
+        if self.collective_matmul and (self.sp is False or self.tp == 1):
+            raise PlanError("Constraints.collective_matmul=True chunks the collectives of "
+                            "sequence parallelism: it needs tp > 1 and sp (got tp="
+                            f"{self.tp!r}, sp={self.sp!r})")
         if self.stage_boundaries is not None and (
                 not isinstance(self.stage_boundaries, (tuple, list))
                 or not all(isinstance(b, str) for b in self.stage_boundaries)):
@@ -345,6 +362,7 @@ def _validate(plan: Plan) -> None:
     if plan.zero not in (0, 1, 2, 3):
         raise PlanError(f"plan.zero must be 0..3, got {plan.zero!r}")
     _check_zero_algorithm("plan", plan.zero, plan.collective_algorithm)
+    _check_collective_matmul(plan)
     for name in ("global_batch", "microbatch_size", "num_microbatches", "virtual_stages"):
         value = getattr(plan, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -362,6 +380,22 @@ def _validate(plan: Plan) -> None:
     devices = {(p.node, p.device) for p in plan.placement}
     if len(devices) != len(plan.placement):
         raise PlanError("plan.placement puts two ranks on the same (node, device)")
+
+
+def _check_collective_matmul(plan: Plan) -> None:
+    chunked = plan.collective_matmul_layers
+    if plan.collective_matmul and not (plan.mesh.sp and plan.mesh.tp > 1):
+        raise PlanError("plan.collective_matmul chunks the all-gathers and reduce-scatters "
+                        "of sequence parallelism: it needs tp > 1 and sp=True (the mesh is "
+                        f"{plan.mesh.describe()})")
+    if chunked and not plan.collective_matmul:
+        raise PlanError("plan.collective_matmul_layers lists layers but "
+                        "plan.collective_matmul is False")
+    for entry in chunked:
+        if not isinstance(entry.chunks, int) or isinstance(entry.chunks, bool) \
+                or entry.chunks < 2:
+            raise PlanError(f"plan.collective_matmul_layers: layer {entry.layer!r} has "
+                            f"{entry.chunks!r} chunks; a collective matmul needs at least 2")
 
 
 # ---------------------------------------------------------------------- JSON helpers

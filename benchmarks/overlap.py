@@ -18,8 +18,14 @@ Mechanisms:
 - hierarchical all-reduce (dp 4 on 2 nodes × 2 processes, ZeRO 0): intra-node
   reduce-scatter, inter-node all-reduce, intra-node all-gather (and its segmented form)
   against the flat ring all-reduce;
-- TP+SP and PP plans run with what they have today (no collective matmul yet; a pipeline's
-  dp sync after the schedule): the rows show their exposed communication, mechanism "—".
+- TP+SP (dp 2 × tp 2 with sequence parallelism): collective matmul (each sp all-gather →
+  linear and linear → reduce-scatter in chunks, ops/collective_matmul.py), against the
+  unchunked collectives ("async only": the overlap pass on, which today moves only
+  ZeRO-3's gathers), against both off;
+- PP (pp 2 × dp 2, 1F1B, 4 microbatches): each stage's dp gradient buckets launched as
+  soon as their last microbatch's gradients are accumulated, while the schedule runs on
+  (runtime/reducer.py), against the sync after the schedule
+  (`AUTOHYBRID_DISABLE_PASSES=overlap` at compile time).
 
 Profiling costs time of its own (both sides of a row pay it). Four processes on a 2-core
 machine time the scheduler as much as the runtime: compare within a row.
@@ -79,9 +85,16 @@ ROWS = [
         "flat": (ah.Constraints(dp=4, tp=1, pp=1, zero=0, num_microbatches=1,
                                 collective_algorithm="flat"), "")}),
     ("dp2 x tp2+sp", 1, {
-        "—": (ah.Constraints(dp=2, tp=2, pp=1, sp=True, zero=0, num_microbatches=1), "")}),
+        "coll. matmul": (ah.Constraints(dp=2, tp=2, pp=1, sp=True, zero=0, num_microbatches=1,
+                                        collective_matmul=True), ""),
+        "async only": (ah.Constraints(dp=2, tp=2, pp=1, sp=True, zero=0, num_microbatches=1,
+                                      collective_matmul=False), ""),
+        "off": (ah.Constraints(dp=2, tp=2, pp=1, sp=True, zero=0, num_microbatches=1,
+                               collective_matmul=False), "overlap")}),
     ("pp2 x dp2 1f1b", 1, {
-        "—": (ah.Constraints(dp=2, tp=1, pp=2, schedule="1f1b", num_microbatches=4), "")}),
+        "on": (ah.Constraints(dp=2, tp=1, pp=2, schedule="1f1b", num_microbatches=4), ""),
+        "off": (ah.Constraints(dp=2, tp=1, pp=2, schedule="1f1b", num_microbatches=4),
+                "overlap")}),
 ]
 
 

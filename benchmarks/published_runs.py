@@ -41,8 +41,10 @@ def predict(row) -> dict:
     cluster = ah.Cluster.preset("dgx-a100-80gb", nodes=tp * pp // 8)
     out = {"name": name, "published": {"full": full, "selective": selective}}
     for recompute in ("full", "selective"):
+        # (Megatron-LM of the paper runs its sp collectives unchunked)
         layout = Layout(Mesh(pp=pp, dp=1, tp=tp, sp=True), micro, batch // micro,
-                        schedule="1f1b" if pp > 1 else "none", recompute=recompute)
+                        schedule="1f1b" if pp > 1 else "none", recompute=recompute,
+                        collective_matmul=False)
         priced = price(prof, cluster, layout, 2048, "bfloat16", 4, "adam", batch,
                        attention="materialized")
         out[recompute] = priced.prediction.step_time_s
@@ -86,10 +88,14 @@ def predict_megatron_core(row, tp_overlap: float = TP_OVERLAP_MEGATRON_CORE,
     name, heads, hidden, layers, tp, pp, dp, gpus, batch, _published = row
     seq, vocab = MEGATRON_CORE_SEQ, MEGATRON_CORE_VOCAB
     prof = prof if prof is not None else megatron_core_profile(row)
+    # the bucket size the pricing finds best (Megatron-Core sizes its own by the dp
+    # degree); the fitted TP overlap stands for its chunked TP communication
     layout = Layout(Mesh(pp=pp, dp=dp, tp=tp, sp=tp > 1), 1, batch // dp,
-                    schedule="1f1b" if pp > 1 else "none", zero=1)
+                    schedule="1f1b" if pp > 1 else "none", zero=1, bucket_mb=None,
+                    collective_matmul=False)
     # Megatron-Core overlaps the dp gradient reduce with the pipeline's last backward
-    # (--overlap-grad-reduce), unlike autohybrid's pipeline runtime today
+    # (--overlap-grad-reduce), as autohybrid's runtime does, and the ZeRO-1 parameter
+    # gather with the next forward (--overlap-param-gather), which autohybrid does not
     priced = price(prof, ah.Cluster.preset("dgx-h100", nodes=gpus // 8),
                    layout, seq, "bfloat16", 4, "adam", batch, tp_overlap=tp_overlap,
                    pipeline_grad_overlap=True)

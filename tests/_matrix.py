@@ -140,8 +140,20 @@ class Case:
         return self.dp * self.num_microbatches * SAMPLES_PER_MICROBATCH
 
     @property
+    def chunked(self) -> bool:
+        """Whether the sp linears run as collective matmuls (ops/collective_matmul.py):
+        about half the sp cases of the attention models, alternating along every other
+        dimension as
+        `checkerboard_optimizer` does, so both kinds meet every option value without a
+        dimension of their own (which would add cases to the CI sample)."""
+        if not self.sp or self.model not in ATTENTION_MODELS:  # (no sequence: no sp collectives)
+            return False
+        parity = sum(DIMENSIONS[d].index(getattr(self, d)) for d in DIMENSIONS if d != "sp")
+        return parity % 2 == 0
+
+    @property
     def name(self) -> str:
-        sp = "+sp" if self.sp else ""
+        sp = ("+sp+cm" if self.chunked else "+sp") if self.sp else ""
         schedule = "" if self.pp == 1 else f" {self.schedule}×{self.virtual_stages}"
         return (f"{self.model}/{self.optimizer}/{self.precision}/pp{self.pp}×dp{self.dp}"
                 f"×tp{self.tp}{sp}{schedule} m={self.num_microbatches} zero{self.zero} "
@@ -152,7 +164,7 @@ class Case:
         return ah.Constraints(pp=self.pp, dp=self.dp, tp=self.tp, sp=self.sp,
                               schedule=self.schedule, virtual_stages=self.virtual_stages,
                               num_microbatches=self.num_microbatches, zero=self.zero,
-                              recompute=self.recompute)
+                              recompute=self.recompute, collective_matmul=self.chunked)
 
     def seconds(self) -> float:
         """A rough cost on two cores (`MODEL_SECONDS`, `WORLD_FACTOR`); pp 4 builds deeper

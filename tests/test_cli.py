@@ -80,8 +80,9 @@ def test_plan_constrain_is_applied_and_text_report(capsys) -> None:
                            "collective_matmul=true", "--json")
     assert code == 0, err
     plan = ah.Plan.from_json(out)
-    assert plan.num_microbatches == 2 and plan.zero == 0 and not plan.executable
+    assert plan.num_microbatches == 2 and plan.zero == 0 and plan.executable
     assert plan.collective_algorithm == "hierarchical" and plan.collective_matmul
+    assert plan.mesh.tp == 2 and plan.mesh.sp and plan.collective_matmul_layers
     code, out, err = _main(capsys, "plan", "gpt-tiny", "--cluster", "local:2",
                            "--global-batch", "8")
     assert code == 0, err

@@ -145,6 +145,10 @@ def _check_plan(fails: Failures, case: Case, compiled) -> None:
     regions = sum(n.target is checkpoint_region for gm in gms for n in gm.graph.nodes)
     fails.check(f"{case.name}: {regions} checkpointed regions",
                 (regions > 0) == (case.recompute != "none"))
+    chunked = compiled.notes["train"].get("collective_matmuls", 0)
+    fails.check(f"{case.name}: {chunked} collective matmuls (plan: "
+                f"{plan.collective_matmul})", plan.collective_matmul == case.chunked
+                and (chunked > 0) == case.chunked)
 
 
 class _Within(Failures):

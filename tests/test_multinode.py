@@ -123,7 +123,7 @@ def test_pinned_plans_keep_tp_in_a_node(monkeypatch, constraints, cross):
 def test_the_planners_own_tp_stays_in_a_node(monkeypatch):
     """A GPT wide enough that the planner, unpinned, picks tp 2 on 2 nodes × 2: its tp
     groups are the two ranks of one node and its other axis (dp or pp) crosses nodes."""
-    plan = _plan(monkeypatch, hidden=256, heads=8, layers=4, vocab=4096, seq=128)
+    plan = _plan(monkeypatch, hidden=1024, heads=8, layers=4, vocab=4096, seq=128)
     assert plan.mesh.tp == 2, (f"the planner chose {plan.mesh.describe()} without tp; this "
                                "test needs a model for which it picks tp (a wider one?)")
     node_of = [rank // PER_NODE for rank in range(4)]

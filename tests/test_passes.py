@@ -330,8 +330,8 @@ def test_debug_dumps_plan_and_one_graph_per_pass(monkeypatch, tmp_path) -> None:
     assert names == ["00_train_capture.py", "01_train_global_loss.py",
                      "02_train_sync_batch_norm.py", "03_train_tensor_parallel.py",
                      "04_train_sequence_parallel.py", "05_train_zero.py",
-                     "06_train_pipeline_split.py", "07_train_recompute.py",
-                     "08_train_overlap.py"]
+                     "06_train_collective_matmul.py", "07_train_pipeline_split.py",
+                     "08_train_recompute.py", "09_train_overlap.py"]
     assert "sync_batch_norm" in (dump / "02_train_sync_batch_norm.py").read_text()
     assert "sync_batch_norm" not in (dump / "01_train_global_loss.py").read_text()
     last = (dump / "04_train_sequence_parallel.py").read_text()  # tp=1: nothing to split
@@ -345,7 +345,8 @@ def test_debug_dumps_plan_and_one_graph_per_pass(monkeypatch, tmp_path) -> None:
     assert sorted(p.name for p in (tmp_path / "rank0").glob("*.py")) == [
         "00_forward_capture.py", "02_forward_tensor_parallel.py",
         "03_forward_sequence_parallel.py", "04_forward_zero.py",
-        "05_forward_pipeline_split.py", "06_forward_recompute.py", "07_forward_overlap.py"]  # 01: disabled
+        "05_forward_collective_matmul.py", "06_forward_pipeline_split.py",
+        "07_forward_recompute.py", "08_forward_overlap.py"]  # 01: disabled
 
 
 @pytest.mark.timeout(60)

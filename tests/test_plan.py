@@ -373,29 +373,38 @@ def gpt_tiny():
     return model, inputs, targets
 
 
+@pytest.fixture()
+def no_full_recompute(monkeypatch):
+    """A runtime that cannot run full recomputation: every feature runs today, so the
+    refusal path (runtime/features.py → api) is exercised with a stand-in."""
+    def unsupported(plan):
+        return ["recompute='full' is not executable here"] if plan.recompute == "full" else []
+
+    monkeypatch.setattr(ah.api, "unsupported", unsupported)
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("pinned,word", [
-    (dict(collective_matmul=True, zero=1), "collective_matmul"),
-    (dict(collective_matmul=True, collective_algorithm="hierarchical"), "collective_matmul")])
-def test_compile_refuses_features_the_runtime_cannot_execute(gpt_tiny, pinned, word) -> None:
+@pytest.mark.parametrize("pinned", [dict(recompute="full"),
+                                    dict(recompute="full", collective_algorithm="hierarchical")])
+def test_compile_refuses_features_the_runtime_cannot_execute(gpt_tiny, no_full_recompute,
+                                                             pinned) -> None:
     model, inputs, targets = gpt_tiny
     with pytest.raises(ah.NotExecutableError) as err:
         ah.compile(model, ah.Cluster.local(1), inputs, loss_fn=_loss, example_targets=targets,
                    constraints=ah.Constraints(**pinned))
-    assert word in str(err.value)
-    if "collective_algorithm" in pinned:
-        assert "hierarchical" not in str(err.value)  # executable: only what is not
+    assert "recompute='full'" in str(err.value)
+    assert "hierarchical" not in str(err.value)  # executable: only what is not
 
 
 @pytest.mark.timeout(60)
-def test_plan_marks_unexecutable_features(gpt_tiny) -> None:
+def test_plan_marks_unexecutable_features(gpt_tiny, no_full_recompute) -> None:
     model, inputs, _ = gpt_tiny
     plan = ah.plan(model, ah.Cluster.local(1), inputs,
-                   constraints=ah.Constraints(collective_matmul=True))
-    assert plan.collective_matmul is True and plan.executable is False
-    assert any("collective_matmul" in r for r in plan.not_executable_because)
+                   constraints=ah.Constraints(recompute="full"))
+    assert plan.recompute == "full" and plan.executable is False
+    assert any("recompute='full'" in r for r in plan.not_executable_because)
     assert Plan.from_json(plan.to_json()).executable is False
-    with pytest.raises(ah.NotExecutableError, match="collective_matmul"):
+    with pytest.raises(ah.NotExecutableError, match="recompute='full'"):
         ah.compile(model, ah.Cluster.local(1), inputs, loss_fn=_loss, plan=plan)
 
 

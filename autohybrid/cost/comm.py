@@ -50,6 +50,30 @@ def ring_latency(cluster: _Cluster, ranks: Sequence[int]) -> float:
     return (len(ranks) - 1) * _link(cluster, ranks)[0] if len(ranks) > 1 else 0.0
 
 
+#: chunk counts a collective matmul is priced with (ops/collective_matmul.py)
+COLLECTIVE_MATMUL_CHUNKS = (2, 4, 8)
+
+
+def collective_matmul(comm_s: float, matmul_s: float, collectives: int, latency_s: float,
+                      chunks: int) -> float:
+    """Exposed time of tensor-parallel transfers taking `comm_s` in all when each of the
+    `collectives` is cut into `chunks` pipelined with matmuls taking `matmul_s` in all:
+    one chunk in `chunks` waits (the first gathered, the last reduce-scattered); the rest
+    hides behind the other chunks' matmuls as far as those last; each extra chunk pays the
+    link's latency once more per collective."""
+    if chunks < 2:
+        return comm_s
+    hidden = min(comm_s, matmul_s) * (chunks - 1) / chunks
+    return comm_s - hidden + collectives * (chunks - 1) * latency_s
+
+
+def best_chunks(comm_s: float, matmul_s: float, collectives: int,
+                latency_s: float) -> tuple[int, float]:
+    """(chunks, exposed time) of the cheapest chunk count in COLLECTIVE_MATMUL_CHUNKS."""
+    return min(((k, collective_matmul(comm_s, matmul_s, collectives, latency_s, k))
+                for k in COLLECTIVE_MATMUL_CHUNKS), key=lambda kt: (kt[1], kt[0]))
+
+
 def latency_bytes(cluster: _Cluster, ranks: Sequence[int]) -> float:
     """Bytes the group's link moves in one latency (α / β): a collective much smaller
     than this costs its latency whatever its size, so merging such ones saves time."""

@@ -7,7 +7,10 @@ loss already as a sum, so the vocabulary-parallel loss keeps it one); `sequence_
 then turns its f/g pairs into all-gather/reduce-scatter and slices the regions between
 them by sequence; `zero` (ZeRO-3 only) then makes parameters dp shards gathered by each
 layer before use, on the finished tp-local graph and before the stages are cut, so each
-gather lands in the stage of its layer; `pipeline_split` last cuts the finished rank-local graph into stages (so
+gather lands in the stage of its layer; `collective_matmul` then fuses the sp gathers and
+reduce-scatters of the layers the Plan lists with their linears into chunked ops (after
+`zero`, whose gathers may feed the weights; before the cut, so each lands in its layer's
+stage); `pipeline_split` last cuts the finished rank-local graph into stages (so
 a stage's graph carries its tp/sp collectives and sends tp-local activations);
 `recompute` after it wraps the blocks (or attention cores) of the graph and of every stage
 in checkpointed submodules, so it sees the final per-rank and per-stage graphs; `overlap`
@@ -16,6 +19,7 @@ bytes in flight, on those final graphs. `fusion` joins this list when it exists.
 """
 from __future__ import annotations
 
+from .collective_matmul import collective_matmul
 from .global_loss import global_loss
 from .manager import Pass, PassContext, run_passes
 from .overlap import overlap
@@ -32,12 +36,13 @@ REGISTRY: dict[str, Pass] = {
     "tensor_parallel": tensor_parallel,
     "sequence_parallel": sequence_parallel,
     "zero": zero,
+    "collective_matmul": collective_matmul,
     "pipeline_split": pipeline_split,
     "recompute": recompute,
     "overlap": overlap,
 }
 ORDER = ("global_loss", "sync_batch_norm", "tensor_parallel", "sequence_parallel", "zero",
-         "pipeline_split", "recompute", "overlap")
+         "collective_matmul", "pipeline_split", "recompute", "overlap")
 
 
 def passes_for(graph_kind: str) -> list[tuple[str, Pass]]:

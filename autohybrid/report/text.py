@@ -101,6 +101,9 @@ def explain(compiled: Any) -> str:
     reducer = compiled.executor.reducer
     sizes = [sum(p.numel() * p.element_size() for p in b.params) for b in reducer.buckets]
     when = ("after the schedule's step" if plan.mesh.pp > 1
+            and not compiled.executor.pipeline_overlap
+            else "during the schedule, as each bucket's gradients become final (from the "
+            "second step)" if plan.mesh.pp > 1
             else "as each bucket's gradients become ready")
     verb = "reduce-scattered" if reducer.shards is not None else "all-reduced"
     if sizes:

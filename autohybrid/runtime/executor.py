@@ -4,9 +4,13 @@ Each rank receives the same global batch, takes its data-parallel shard (dim 0, 
 `torch.tensor_split` does, so any batch of at least dp × microbatches samples works), runs
 its microbatches through the rewritten training graph (or, with pipeline parallelism,
 through its stages under the Plan's schedule: runtime/pipeline.py), and
-backward-propagates the loss numerator (see passes/global_loss.py). The reducer all-reduces gradient buckets during
-the last backward; gradients are then scaled by 1 / Σ denominators, which gives exactly
-the gradients of eager's loss on the whole batch.
+backward-propagates the loss numerator (see passes/global_loss.py). The reducer all-reduces
+gradient buckets during the last backward — in a pipeline, as soon as each bucket's
+gradients are final on this rank, while the schedule still runs the remaining backward
+steps (runtime/reducer.py `arm_pipeline`; `AUTOHYBRID_DISABLE_PASSES=overlap`, read when
+the executor is built, launches them after the schedule instead); gradients are then
+scaled by 1 / Σ denominators, which gives exactly the gradients of eager's loss on the
+whole batch.
 
 With ZeRO (runtime/zero.py) the optimizer steps this rank's flat shards: ZeRO-1
 reduce-scatters the buckets into them during the last backward (whole gradients
@@ -32,6 +36,7 @@ from ..capture import CapturedGraph
 from ..errors import AutohybridError
 from ..ops.groups import all_gather_single
 from ..ops.zero import release_gathered
+from ..passes.manager import disabled_passes
 from ..plan import Plan
 from .collectives import gradient_all_reduce
 from .precision import LossScaler, any_nonfinite
@@ -70,6 +75,8 @@ class Executor:
                                    reduce_dtype=reduce_dtype,
                                    all_reduce=gradient_all_reduce(plan, dp_group)
                                    if stage == 0 else None)
+        #: pipelines: launch dp buckets while the schedule runs (off: after it)
+        self.pipeline_overlap = "overlap" not in disabled_passes()
         self.last_backward_end: float | None = None
         #: called as `hook(m)` after microbatch m's backward (and its ZeRO-2 gradient
         #: collection) when no pipeline runs: what tests inspect between microbatches
@@ -112,10 +119,19 @@ class Executor:
             inputs = self.local_slice(inputs, "inputs")
             targets = self.local_slice(targets, "targets")
         if pipeline is not None:
-            numerator, denominator = pipeline.forward_backward(inputs, targets, loss_scale)
-            # this rank's gradients are complete: sum them over dp while the pp ranks
-            # still in the schedule's cool-down finish theirs
-            self.reducer.launch_pending()
+            # buckets launch as their gradients become final on this rank, during the
+            # schedule (from its second step under a schedule: the first counts)
+            key = pipeline.schedule_key(inputs, targets) if self.pipeline_overlap else None
+            self.reducer.arm_pipeline(key, lambda: pipeline.backward_done)
+            pipeline.grad_listener = self.reducer
+            try:
+                numerator, denominator = pipeline.forward_backward(inputs, targets, loss_scale)
+            finally:
+                pipeline.grad_listener = None
+            # the rest (all, with overlap off or while counting): this rank's gradients
+            # are complete; sum them over dp while the pp ranks still in the schedule's
+            # cool-down finish theirs
+            self.reducer.schedule_done()
         else:
             numerator, denominator = self._microbatch_loop(program, inputs, targets, loss_scale)
         self.last_backward_end = time.perf_counter()

@@ -10,7 +10,6 @@ from ..plan import Plan
 
 def unsupported(plan: Plan) -> list[str]:
     """Why the runtime cannot run `plan` yet (empty when it can)."""
-    reasons = []  # every collective_algorithm runs (runtime/collectives.py)
-    if plan.collective_matmul:
-        reasons.append("collective_matmul=True is not executable yet")
-    return reasons
+    # every collective_algorithm runs (runtime/collectives.py); collective matmul too
+    # (passes/collective_matmul.py)
+    return []

@@ -21,9 +21,16 @@ the pp group (only the last stage has them) and the dp group, the gradients of p
 that several stages read (tied embedding and output weights) are summed over the ranks
 holding those stages, and the dp reducer sums the gradients over dp and scales them by
 1 / Σ denominators: exactly the gradients of eager's loss on the whole batch.
+
+The dp gradient buckets are launched while the schedule runs (runtime/reducer.py,
+`arm_pipeline`): the stages are `_Stage`s, which count this rank's backward steps
+(`backward_done`, what the reducer's launch events record) and report each
+weight-gradient step of the zero-bubble schedules to `grad_listener` (the reducer),
+since torch accumulates those gradients without firing the parameters' hooks.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any, Sequence
 
 import sympy
@@ -95,6 +102,35 @@ class StageModule(nn.Module):
                      if t._is_view() or id(t) in received_ids else t.contiguous() for t in outs)
 
 
+class _Stage(tpp.PipelineStage):
+    """A PipelineStage that counts its runner's backward steps and reports its
+    weight-gradient steps (zero-bubble schedules) to the runner's `grad_listener`.
+
+    torch's weight step (`backward_weight_one_chunk`) accumulates with
+    `torch.autograd.grad` and `weight.grad += dw` (pipelining/_backward.py,
+    `stage_backward_weight`) on every stage but the first, so no post-accumulate-grad hook
+    fires; on the first stage it runs the full backward, which fires them. The listener's
+    `weight_step(params)` mutes the hooks inside and reports every parameter of the stage
+    once after the step, the same way in both cases."""
+
+    def __init__(self, *args: Any, runner: "PipelineRunner", **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._runner = runner
+
+    def backward_one_chunk(self, *args: Any, **kwargs: Any):
+        out = super().backward_one_chunk(*args, **kwargs)
+        self._runner.backward_done += 1
+        return out
+
+    def backward_weight_one_chunk(self, *args: Any, **kwargs: Any):
+        listener = self._runner.grad_listener
+        with (listener.weight_step(self.submod.parameters()) if listener is not None
+              else nullcontext()):
+            out = super().backward_weight_one_chunk(*args, **kwargs)
+            self._runner.backward_done += 1
+        return out
+
+
 class PipelineRunner:
     """This rank's stages and the schedule over them (one per microbatch shape)."""
 
@@ -127,6 +163,10 @@ class PipelineRunner:
         self._outputs = (program.user_outputs[0], program.user_outputs[-1])
         #: dtype of the loss the last stage computes (known on every rank)
         self.loss_dtype = split.stages[last].sent_vals[self._outputs[0]].dtype
+        #: backward steps (full, input- or weight-gradient) run in the current step
+        self.backward_done = 0
+        #: told of weight-gradient steps (`weight_step(params)`: the dp reducer) or None
+        self.grad_listener: Any = None
 
     def sum_shared_grads(self, holders: dict[str, torch.Tensor] | None = None) -> None:
         """Sum the gradients of parameters read by stages on several pp ranks (tied
@@ -145,8 +185,18 @@ class PipelineRunner:
         self._denominators.append(denominator.detach())
         return numerator if self._loss_scale is None else numerator * self._loss_scale
 
+    def schedule_key(self, inputs: Sequence[torch.Tensor],
+                     targets: Sequence[torch.Tensor]) -> tuple:
+        """What names the schedule a batch runs under (its microbatch shapes), the same on
+        every dp rank."""
+        return self._key(self._microbatches([*inputs, *targets]))
+
+    @staticmethod
+    def _key(micro: list[list[torch.Tensor]]) -> tuple:
+        return tuple((tuple(t.shape), t.dtype) for t in micro[0])
+
     def _schedule(self, micro: list[list[torch.Tensor]]):
-        key = tuple((tuple(t.shape), t.dtype) for t in micro[0])
+        key = self._key(micro)
         if key not in self._schedules:
             self._schedules[key] = self._build(micro[0])
         return self._schedules[key]
@@ -162,9 +212,9 @@ class PipelineRunner:
                 previous = self.split.stages[s - 1]
                 inputs = _metas(graph.received_vals, previous.sent_requires_grad, env)
             outputs = _metas(graph.sent_vals, graph.sent_requires_grad, env)
-            stages.append(tpp.PipelineStage(
+            stages.append(_Stage(
                 self.modules[s], s, self.plan.num_stages, self.device, input_args=inputs,
-                output_args=outputs, group=self.pp_group))
+                output_args=outputs, group=self.pp_group, runner=self))
         cls = SCHEDULE_CLASSES[self.plan.schedule]
         m = self.plan.num_microbatches
         if self.plan.schedule in _MULTI_STAGE:
@@ -182,6 +232,7 @@ class PipelineRunner:
         schedule = self._schedule(micro)
         self._numerators, self._denominators = [], []
         self._loss_scale = loss_scale
+        self.backward_done = 0
         kwargs = {f"b{j}": t for j, t in enumerate(batch)}
         dummy = torch.zeros(batch[0].shape[0], device=self.device)  # the loss reads no target
         schedule.step(*inputs, target=dummy, return_outputs=False, **kwargs)

@@ -24,12 +24,13 @@ from typing import Callable, Iterator
 from ..cost.comm import hierarchy_applies
 from ..cost.memory import usable_bytes
 from ..errors import NoPlanFitsError, NotExecutableError, PlanError
-from ..plan import (Alternative, Constraints, Mesh, NodeSharding, Plan, RankPlacement,
-                    schedule_problem)
+from ..plan import (Alternative, ChunkedLayer, Constraints, Mesh, NodeSharding, Plan,
+                    RankPlacement, schedule_problem)
 from .pricing import Layout, Priced, dp_ranks, gather_min_mb, price
 from .space import ModelProfile
 
-#: Gradient bucket size when nothing pins it (PyTorch DDP's default).
+#: Gradient bucket size of a plan built before pricing (the executability probe); a
+#: priced plan has the pricing's choice (search/pricing.py: BUCKET_CHOICES_MB).
 DEFAULT_BUCKET_MB = 25.0
 #: Virtual stages per rank tried for each pipeline schedule when none is pinned: the
 #: looped schedules gain bubble with depth but pay p2p per stage, so a few depths compete.
@@ -148,7 +149,7 @@ def _layouts(profile: ModelProfile, cluster, request: PlanRequest,
     pinned = request.constraints
     world = cluster.world_size
     blocks = len(profile.layers)
-    bucket = pinned.bucket_mb or DEFAULT_BUCKET_MB
+    bucket = pinned.bucket_mb   # None: the pricing chooses it per layout
     for tp in _tp_degrees(profile, cluster, pinned, skipped):
         if world % tp:
             skipped.append(f"tp={tp} does not divide the world size {world}")
@@ -167,11 +168,16 @@ def _layouts(profile: ModelProfile, cluster, request: PlanRequest,
                 continue
             local = request.global_batch // dp
             for sp in _sp_choices(tp, pinned):
+                if pinned.collective_matmul and not (sp and tp > 1):
+                    skipped.append(f"collective_matmul=True needs tp > 1 with sp (tp={tp}, "
+                                   f"sp={sp})")
+                    continue
                 mesh = Mesh(pp=pp, dp=dp, tp=tp, sp=sp)
                 for micro in _microbatch_sizes(local, pinned, skipped):
                     count = local // micro
                     for schedule, virtual in _schedules(pp, count, blocks, pinned, skipped):
-                        yield Layout(mesh, micro, count, schedule, virtual, "none", 0, bucket)
+                        yield Layout(mesh, micro, count, schedule, virtual, "none", 0, bucket,
+                                     collective_matmul=pinned.collective_matmul)
 
 
 def _tp_degrees(profile: ModelProfile, cluster, pinned: Constraints,
@@ -309,8 +315,7 @@ def _refuse_pinned_features(pinned: Constraints,
                  schedule=pinned.schedule or "none", virtual_stages=pinned.virtual_stages or 1,
                  stage_boundaries=tuple(pinned.stage_boundaries or ()),
                  recompute=pinned.recompute or "none", zero=pinned.zero or 0,
-                 collective_algorithm=pinned.collective_algorithm or "flat",
-                 collective_matmul=bool(pinned.collective_matmul))
+                 collective_algorithm=pinned.collective_algorithm or "flat")
     reasons = unsupported(probe)
     if reasons:
         raise NotExecutableError("the constraints ask for features the runtime cannot "
@@ -359,9 +364,9 @@ def _plan_for(layout: Layout, request: PlanRequest, cluster, cluster_hash: str,
         microbatch_size=layout.microbatch_size, num_microbatches=layout.num_microbatches,
         dtype=request.dtype, optimizer=request.optimizer, schedule=layout.schedule,
         virtual_stages=layout.virtual_stages, stage_boundaries=boundaries,
-        recompute=layout.recompute, zero=layout.zero, bucket_mb=layout.bucket_mb,
-        collective_algorithm=layout.collective_algorithm,
-        collective_matmul=bool(pinned.collective_matmul), model_ref=request.model_ref,
+        recompute=layout.recompute, zero=layout.zero,
+        bucket_mb=layout.bucket_mb or DEFAULT_BUCKET_MB,
+        collective_algorithm=layout.collective_algorithm, model_ref=request.model_ref,
         grad_reduce_dtype=pinned.grad_reduce_dtype,
         gather_min_mb=gather_min_mb(cluster, layout),
         calibration_hash=request.calibration_hash)
@@ -372,7 +377,9 @@ def _make_plan(best: Candidate, profile: ModelProfile, cluster, request: PlanReq
     # the pp × v − 1 first layers of stages 1.. (the pinned ones when pinned: priced so)
     boundaries = tuple(profile.layers[s].name for s in best.priced.stage_starts[1:])
     plan = _plan_for(best.layout, request, cluster, cluster_hash, placement, boundaries)
-    return replace(plan, predicted=best.priced.prediction, executable=best.executable,
+    chunked = tuple(ChunkedLayer(name, k) for name, k in best.priced.chunked)
+    return replace(plan, collective_matmul=bool(chunked), collective_matmul_layers=chunked,
+                   bucket_mb=best.priced.bucket_mb, predicted=best.priced.prediction, executable=best.executable,
                    not_executable_because=best.unsupported,
                    shardings=_shardings(profile) if best.layout.mesh.tp > 1 else ())
 

@@ -28,6 +28,9 @@ from .layers import gather_groups, is_block
 from .space import LayerProfile, ModelProfile, split_ways
 from .stages import partition
 
+#: dp gradient bucket sizes the pricing chooses from when none is pinned: more buckets
+#: start the sync earlier in backward, each pays the collective's latency again
+BUCKET_CHOICES_MB = (1.0, 4.0, 16.0, 25.0, 64.0, 256.0, 1024.0)
 #: Update of the optimizer: bytes touched per parameter (read/write weights, grads, states).
 OPTIMIZER_BYTES_PER_PARAM = 16.0
 #: Ops torch's single-tensor optimizers run per parameter tensor and step (counted with a
@@ -45,9 +48,10 @@ ATTENTION_IMPLEMENTATIONS = ("flash", "materialized")
 #: Share of tensor-parallel communication Megatron-Core hides behind compute (its TP
 #: communication overlap). Fitted (grid of 0.05, `published_runs.fit_tp_overlap`) as the
 #: value minimizing the squared log-error of predicted TFLOP/s on the nine Megatron-Core
-#: rows (1.7B–462B) of `shared/reference/published_runs.md`: 0.60, giving predicted /
-#: published 1.07, 0.98, 0.93, 0.91, 1.02, 1.06, 1.06, 1.02, 1.04 (0.0 gives 1.07 … 0.77).
-TP_OVERLAP_MEGATRON_CORE = 0.60
+#: rows (1.7B–462B) of `shared/reference/published_runs.md`: 0.65, giving predicted /
+#: published 1.04, 0.96, 0.91, 0.91, 1.03, 1.07, 1.07, 1.02, 1.05 (0.0 gives 1.04 … 0.76).
+#: Refitted (was 0.60) when the dp sync started paying each gradient bucket's latency.
+TP_OVERLAP_MEGATRON_CORE = 0.65
 MATERIALIZED_ACCESSES_FORWARD = 8
 MATERIALIZED_SAVED_PER_SCORE = 2 + 2 + 1
 
@@ -77,8 +81,11 @@ class Layout:
     virtual_stages: int = 1
     recompute: str = "none"
     zero: int = 0
-    bucket_mb: float = 25.0
+    bucket_mb: float | None = 25.0        # None: the cheapest of BUCKET_CHOICES_MB
     collective_algorithm: str = "flat"   # the dp gradient all-reduce (ZeRO 0)
+    #: chunked sequence-parallel collectives: None = per layer where it pays, True = every
+    #: layer with sharded matmuls, False = none
+    collective_matmul: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,8 @@ class Priced:
     prediction: Prediction
     stage_starts: tuple[int, ...]
     fits: bool
+    chunked: tuple[tuple[str, int], ...] = ()   # (layer, chunks) run as collective matmuls
+    bucket_mb: float = 25.0                      # the dp gradient buckets priced
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,7 @@ class LayerTimes:
     saved: float          # bytes kept for backward per microbatch
     recompute_saved: float  # bytes kept with full recomputation (a block: its input)
     input: float = 0.0      # bytes of the layer's input (what a stage boundary sends)
+    chunks: int = 0         # collective matmul: its sp collectives in this many chunks
 
     @property
     def total(self) -> float:
@@ -146,6 +156,18 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
         # full recomputation runs the forward, its collectives included, a second time
         repeats = 2 if c.direction == "forward" and full else 1
         tp_comm += repeats * time * (1.0 - tp_overlap)
+    chunks = 0
+    if t > 1 and sp and layer.collectives and layout.collective_matmul is not False \
+            and not tp_overlap:  # (a fitted overlap share already prices the hiding)
+        # the matmuls next to the collectives: the sharded linears, forward and backward
+        linears = 3 * (v["mm_sharded"] / t + v["mm_vocab"] / vocab_ways) \
+            / (peak * MATMUL_EFFICIENCY)
+        chunks, chunked = comm.best_chunks(tp_comm, linears, len(layer.collectives),
+                                           comm.ring_latency(cluster, tp_ranks))
+        if linears and (chunked < tp_comm or layout.collective_matmul):
+            tp_comm = chunked
+        else:
+            chunks = 0
     saved = (v["saved_sharded"] / t + v["saved_replicated"] * replicated_share) * scale
     if layout.recompute == "selective":
         saved -= v["attention_saved"] / t * scale
@@ -153,7 +175,7 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
         saved += scores_saved
     kept = v["input_bytes"] * replicated_share * scale
     return LayerTimes(forward, 2 * forward, recompute, tp_comm, saved,
-                      kept if full or layout.recompute != "full" else saved, kept)
+                      kept if full or layout.recompute != "full" else saved, kept, chunks)
 
 
 @dataclass(frozen=True)
@@ -320,11 +342,11 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
 
     `tp_overlap` is the share of tensor-parallel communication hidden behind compute (0 for
     autohybrid's runtime today; `TP_OVERLAP_MEGATRON_CORE` for runs that overlap it).
-    `pipeline_grad_overlap`: Megatron-Core's overlap of the dp communication: with pp > 1
-    the gradient sync overlaps the last backward, and the ZeRO-1/2 parameter all-gather
-    overlaps compute (--overlap-grad-reduce, --overlap-param-gather). autohybrid's
-    runtime does neither yet: its pipeline reduces after the schedule's step and it
-    gathers the parameters after the optimizer step, so for its plans both are exposed.
+    `pipeline_grad_overlap`: Megatron-Core's overlap of the ZeRO-1/2 parameter all-gather
+    with compute (--overlap-param-gather); autohybrid gathers the parameters after the
+    optimizer step, so for its plans that gather is exposed. The dp gradient sync
+    overlaps the backward in buckets in both (with pp > 1, the last microbatch's backward
+    on each rank: runtime/reducer.py launches a bucket once its gradients are final).
     `stage_starts` pins the first layer of each of the pp × v stages (None: balanced).
     `grad_reduce_dtype`: what the dp sync sends (None: the gradients' dtype, which is the
     fp32 master weights' when `dtype` is 16-bit: memory.state_bytes_per_param's accounting).
@@ -337,7 +359,7 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
     shape = (layout.microbatch_size, mesh.tp, mesh.sp, layout.recompute)
     times = []
     for layer in profile.layers:
-        key = (layer.signature, *shape)
+        key = (layer.signature, *shape, layout.collective_matmul)
         if key not in cache:
             cache[key] = layer_times(layer, cluster, layout, seq, dtype, graph_dtype_bytes,
                                      attention, tp_overlap, profile.kv_heads, profile.vocab)
@@ -353,10 +375,10 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
     limit = gather_min_mb(cluster, layout) * 2**20 if layout.recompute != "full" else 0.0
     held = _held(profile, stages, shape, cache, limit, graph_dtype_bytes)
     params_local, tensors = max(held.params), held.tensors
-    overlap = mesh.pp == 1 or pipeline_grad_overlap
-    worst, grad_sync, exposed = _ranks_memory_and_sync(cluster, layout, stages, held, dtype,
-                                                       optimizer, overlap, grad_reduce_dtype,
-                                                       pipeline_grad_overlap)
+    overlap = True  # buckets launched during backward (pipelines: the last microbatch's)
+    worst, grad_sync, exposed, bucket_mb = _ranks_memory_and_sync(
+        cluster, layout, stages, held, dtype, optimizer, overlap, grad_reduce_dtype,
+        pipeline_grad_overlap)
     update = params_local / (mesh.dp if layout.zero else 1) * OPTIMIZER_BYTES_PER_PARAM \
         / (cluster.device.memory_bandwidth * MEMORY_EFFICIENCY)
     if cluster.cluster.device_type != "cpu":
@@ -376,7 +398,9 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
         memory_per_rank_bytes=worst.total, device_memory_bytes=cluster.device.memory_bytes,
         memory=worst)
     fits = worst.total <= usable_bytes(cluster.device.memory_bytes)
-    return Priced(prediction, stages.starts, fits)
+    chunked = tuple((layer.name, t.chunks) for layer, t in zip(profile.layers, times)
+                    if t.chunks)
+    return Priced(prediction, stages.starts, fits, chunked, bucket_mb)
 
 
 @dataclass(frozen=True)
@@ -449,13 +473,16 @@ def _p2p(cluster, layout: Layout, stages: Split, times: list[LayerTimes], m: int
 
 def _ranks_memory_and_sync(cluster, layout: Layout, stages: Split, held: Held, dtype: str,
                            optimizer: str, overlap: bool, grad_reduce_dtype: str | None = None,
-                           gather_overlap: bool = False) -> tuple[MemoryBreakdown, float, float]:
-    """(memory of the most loaded rank, slowest dp gradient sync, most exposed part of it).
+                           gather_overlap: bool = False
+                           ) -> tuple[MemoryBreakdown, float, float, float]:
+    """(memory of the most loaded rank, slowest dp gradient sync, most exposed part of it,
+    the bucket size that exposes least: the pinned one, else the cheapest of
+    BUCKET_CHOICES_MB, the larger on a tie).
 
     With `overlap`, the sync of a rank's gradients overlaps its backward in buckets: all
     but the last bucket hide behind the backward of the layers after them; without, all
-    of it is exposed."""
-    worst, grad_sync, exposed = None, 0.0, 0.0
+    of it is exposed. Each bucket is its own collective and pays its latency."""
+    worst, syncs = None, []
     for rank in held.distinct:
         local, sums = held.params[rank], stages.sums[rank]
         state = training_state(local, dtype, optimizer, layout.zero, layout.mesh.dp)
@@ -463,16 +490,24 @@ def _ranks_memory_and_sync(cluster, layout: Layout, stages: Split, held: Held, d
         if worst is None or memory.total > worst.total:
             worst = memory
         width = dtype_bytes(grad_reduce_dtype) if grad_reduce_dtype else max(4, dtype_bytes(dtype))
-        grad_bytes = local * width
-        sync, times, fixed = _dp_sync(cluster, layout, grad_bytes, held.gathers[rank])
-        if gather_overlap and layout.zero in (1, 2):  # Megatron's param gather is hidden
-            fixed = 0.0
-        buckets = max(1, math.ceil(grad_bytes / (layout.bucket_mb * 2**20)))
-        hidden = sums.backward * (buckets - 1) / buckets if overlap else 0.0
-        grad_sync = max(grad_sync, times * sync + fixed)
-        floor = sync / buckets if overlap else sync
-        exposed = max(exposed, times * (max(sync - hidden, floor) if sync else 0.0) + fixed)
-    return worst, grad_sync, exposed
+        syncs.append((local * width, sums.backward, held.gathers[rank]))
+    best = None
+    for size in ([layout.bucket_mb] if layout.bucket_mb is not None else BUCKET_CHOICES_MB):
+        grad_sync, exposed = 0.0, 0.0
+        for grad_bytes, backward, gathers in syncs:
+            buckets = max(1, math.ceil(grad_bytes / (size * 2**20)))
+            _, times, fixed = _dp_sync(cluster, layout, grad_bytes, gathers)
+            one = _dp_sync(cluster, layout, grad_bytes / buckets, gathers)[0]
+            sync = one * buckets
+            if gather_overlap and layout.zero in (1, 2):  # Megatron's param gather is hidden
+                fixed = 0.0
+            hidden = backward * (buckets - 1) / buckets if overlap else 0.0
+            grad_sync = max(grad_sync, times * sync + fixed)
+            floor = one if overlap else sync
+            exposed = max(exposed, times * (max(sync - hidden, floor) if sync else 0.0) + fixed)
+        if best is None or exposed <= best[1] * (1 + 1e-9):  # a tie: fewer, larger buckets
+            best = (grad_sync, exposed, size)
+    return worst, *best
 
 
 def dp_ranks(layout: Layout) -> list[int]:
