@@ -77,6 +77,20 @@ def _start_scatter(x: torch.Tensor, group) -> tuple[torch.Tensor, object]:
     return out, groups.reduce_scatter_single(out, src, group=group, async_op=True)
 
 
+def _gathered_chunks(xs: torch.Tensor, pieces: list[tuple[int, int]], group):
+    """(offset, all-gathered rows) of each chunk of sequence-first `xs` in turn, the next
+    chunk's all-gather issued before this one is waited for, so that it travels while
+    the caller multiplies this one."""
+    pending = _start_gather(xs[pieces[0][0]:pieces[0][0] + pieces[0][1]], group)
+    for c, (offset, _) in enumerate(pieces):
+        buf, work = pending
+        if c + 1 < len(pieces):
+            o, s = pieces[c + 1]
+            pending = _start_gather(xs[o:o + s], group)
+        work.wait()
+        yield offset, buf
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
@@ -94,14 +108,7 @@ def gather_linear(x: torch.Tensor, weights: list[torch.Tensor],
     n = dist.get_world_size(group)
     full = xs.new_empty((n * xs.shape[0], *xs.shape[1:]))
     outs = [xs.new_empty((n * xs.shape[0], *xs.shape[1:-1], w.shape[0])) for w in weights]
-    pieces = bounds(xs.shape[0], chunks)
-    pending = _start_gather(xs[pieces[0][0]:pieces[0][0] + pieces[0][1]], group)
-    for c, (offset, size) in enumerate(pieces):
-        buf, work = pending
-        if c + 1 < len(pieces):  # the next chunk travels while this one is multiplied
-            o, s = pieces[c + 1]
-            pending = _start_gather(xs[o:o + s], group)
-        work.wait()
+    for offset, buf in _gathered_chunks(xs, bounds(xs.shape[0], chunks), group):
         _put(full, n, offset, buf)
         for out, w, b in zip(outs, weights, biases):
             _put(out, n, offset, F.linear(buf, w, b))
@@ -223,14 +230,7 @@ def linear_reduce_scatter_backward(grad: torch.Tensor, x: torch.Tensor, weight: 
     xs = x.movedim(dim, 0)
     whole = gs.new_empty((n * gs.shape[0], *gs.shape[1:]))
     gx = xs.new_empty(xs.shape)
-    pieces = bounds(gs.shape[0], chunks)
-    pending = _start_gather(gs[pieces[0][0]:pieces[0][0] + pieces[0][1]], group)
-    for c, (offset, size) in enumerate(pieces):
-        buf, work = pending
-        if c + 1 < len(pieces):
-            o, s = pieces[c + 1]
-            pending = _start_gather(gs[o:o + s], group)
-        work.wait()
+    for offset, buf in _gathered_chunks(gs, bounds(gs.shape[0], chunks), group):
         _put(whole, n, offset, buf)
         _put(gx, n, offset, buf @ weight)
     return [gx.movedim(0, dim).contiguous(), _flat(whole).t() @ _flat(xs)]
