@@ -371,15 +371,30 @@ def _validate(plan: Plan) -> None:
         raise PlanError(
             f"plan.global_batch {plan.global_batch} != dp {plan.mesh.dp} × microbatch_size "
             f"{plan.microbatch_size} × num_microbatches {plan.num_microbatches}")
-    ranks = sorted(p.rank for p in plan.placement)
-    if ranks != list(range(plan.mesh.world_size)):
+    _check_placement(plan)
+
+
+#: placements found valid, by identity (the value keeps the tuple alive, so its id is not
+#: reused): the planner builds thousands of plans that share a few placement tuples
+_VALID_PLACEMENTS: dict[tuple[int, int], tuple] = {}
+
+
+def _check_placement(plan: Plan) -> None:
+    placement, world = plan.placement, plan.mesh.world_size
+    if _VALID_PLACEMENTS.get((id(placement), world)) is placement:
+        return
+    ranks = sorted(p.rank for p in placement)
+    if ranks != list(range(world)):
         raise PlanError(
-            f"plan.placement must list ranks 0..{plan.mesh.world_size - 1} once each (the "
-            f"mesh {plan.mesh.describe()} has {plan.mesh.world_size} ranks); it lists "
-            f"{len(ranks)} ranks")
-    devices = {(p.node, p.device) for p in plan.placement}
-    if len(devices) != len(plan.placement):
+            f"plan.placement must list ranks 0..{world - 1} once each (the mesh "
+            f"{plan.mesh.describe()} has {world} ranks); it lists {len(ranks)} ranks")
+    devices = {(p.node, p.device) for p in placement}
+    if len(devices) != len(placement):
         raise PlanError("plan.placement puts two ranks on the same (node, device)")
+    if isinstance(placement, tuple):
+        if len(_VALID_PLACEMENTS) >= 64:
+            _VALID_PLACEMENTS.clear()
+        _VALID_PLACEMENTS[(id(placement), world)] = placement
 
 
 def _check_collective_matmul(plan: Plan) -> None:

@@ -6,6 +6,7 @@ call prices a tp group inside a node and a dp group across nodes differently.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Protocol, Sequence
 
 
@@ -102,23 +103,27 @@ def send_recv(cluster: _Cluster, ranks: Sequence[int], nbytes: float) -> float:
 PIPELINE_SEGMENTS = 4
 
 
-def _by_node(cluster: _Cluster, ranks: Sequence[int]) -> list[list[int]] | None:
+def _by_node(cluster: _Cluster, ranks: Sequence[int]) -> tuple[tuple[int, ...], ...] | None:
     """`ranks` per node (torchrun placement), or None when a hierarchy does not apply:
     one node, one rank per node, or nodes holding different numbers of the ranks (the
     runtime then runs the flat all-reduce: runtime/collectives.split_by_node)."""
-    g = cluster.devices_per_node
+    return _groups_by_node(cluster.devices_per_node, tuple(ranks))
+
+
+@lru_cache(maxsize=4096)  # the planner asks for the same few dp groups many times
+def _groups_by_node(g: int, ranks: tuple[int, ...]) -> tuple[tuple[int, ...], ...] | None:
     nodes: dict[int, list[int]] = {}
     for r in ranks:
         nodes.setdefault(r // g, []).append(r)
-    groups = [nodes[n] for n in sorted(nodes)]
+    groups = tuple(tuple(nodes[n]) for n in sorted(nodes))
     sizes = {len(group) for group in groups}
     if len(groups) <= 1 or len(sizes) != 1 or sizes == {1}:
         return None
     return groups
 
 
-def _hierarchy_steps(cluster: _Cluster, groups: list[list[int]], ranks: Sequence[int],
-                     nbytes: float) -> tuple[float, float]:
+def _hierarchy_steps(cluster: _Cluster, groups: Sequence[Sequence[int]],
+                     ranks: Sequence[int], nbytes: float) -> tuple[float, float]:
     """(intra-node reduce-scatter (= all-gather) of `nbytes`, the g concurrent inter-node
     all-reduces of nbytes / g). The inter-node step runs on the network link with the NIC
     sharing of the whole group (`link_for(ranks)`: the g ranks of a node that share a

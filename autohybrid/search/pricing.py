@@ -16,6 +16,7 @@ zero-bubble schedules) and the activations in flight of `in_flight`.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from itertools import accumulate
 from dataclasses import dataclass, fields, replace
 from typing import Sequence
@@ -66,7 +67,7 @@ class LinkCache:
         self._links: dict[tuple[int, ...], object] = {}
 
     def link_for(self, ranks):
-        key = tuple(ranks)
+        key = ranks if isinstance(ranks, tuple) else tuple(ranks)
         if key not in self._links:
             self._links[key] = self.cluster.link_for(key)
         return self._links[key]
@@ -357,13 +358,20 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
     cluster = cache["links"]
     mesh = layout.mesh
     shape = (layout.microbatch_size, mesh.tp, mesh.sp, layout.recompute)
-    times = []
-    for layer in profile.layers:
-        key = (layer.signature, *shape, layout.collective_matmul)
-        if key not in cache:
-            cache[key] = layer_times(layer, cluster, layout, seq, dtype, graph_dtype_bytes,
-                                     attention, tp_overlap, profile.kv_heads, profile.vocab)
-        times.append(cache[key])
+    every = ("times", *shape, layout.collective_matmul)
+    if every not in cache:
+        times = []
+        for layer in profile.layers:
+            key = (layer.signature, *shape, layout.collective_matmul)
+            if key not in cache:
+                cache[key] = layer_times(layer, cluster, layout, seq, dtype,
+                                         graph_dtype_bytes, attention, tp_overlap,
+                                         profile.kv_heads, profile.vocab)
+            times.append(cache[key])
+        chunked = tuple((layer.name, t.chunks) for layer, t in zip(profile.layers, times)
+                        if t.chunks)
+        cache[every] = (times, chunked)
+    times, chunked = cache[every]
     placement = stage_ranks(layout.schedule, mesh.pp, layout.virtual_stages)
     stages = stage_split(times, placement, stage_starts, cache, shape)
     loads = stages.loads
@@ -377,7 +385,7 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
     params_local, tensors = max(held.params), held.tensors
     overlap = True  # buckets launched during backward (pipelines: the last microbatch's)
     worst, grad_sync, exposed, bucket_mb = _ranks_memory_and_sync(
-        cluster, layout, stages, held, dtype, optimizer, overlap, grad_reduce_dtype,
+        cluster, layout, stages, held, dtype, optimizer, overlap, cache, grad_reduce_dtype,
         pipeline_grad_overlap)
     update = params_local / (mesh.dp if layout.zero else 1) * OPTIMIZER_BYTES_PER_PARAM \
         / (cluster.device.memory_bandwidth * MEMORY_EFFICIENCY)
@@ -398,8 +406,6 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
         memory_per_rank_bytes=worst.total, device_memory_bytes=cluster.device.memory_bytes,
         memory=worst)
     fits = worst.total <= usable_bytes(cluster.device.memory_bytes)
-    chunked = tuple((layer.name, t.chunks) for layer, t in zip(profile.layers, times)
-                    if t.chunks)
     return Priced(prediction, stages.starts, fits, chunked, bucket_mb)
 
 
@@ -472,8 +478,8 @@ def _p2p(cluster, layout: Layout, stages: Split, times: list[LayerTimes], m: int
 
 
 def _ranks_memory_and_sync(cluster, layout: Layout, stages: Split, held: Held, dtype: str,
-                           optimizer: str, overlap: bool, grad_reduce_dtype: str | None = None,
-                           gather_overlap: bool = False
+                           optimizer: str, overlap: bool, cache: dict,
+                           grad_reduce_dtype: str | None = None, gather_overlap: bool = False
                            ) -> tuple[MemoryBreakdown, float, float, float]:
     """(memory of the most loaded rank, slowest dp gradient sync, most exposed part of it,
     the bucket size that exposes least: the pinned one, else the cheapest of
@@ -483,20 +489,34 @@ def _ranks_memory_and_sync(cluster, layout: Layout, stages: Split, held: Held, d
     but the last bucket hide behind the backward of the layers after them; without, all
     of it is exposed. Each bucket is its own collective and pays its latency."""
     worst, syncs = None, []
+    width = dtype_bytes(grad_reduce_dtype) if grad_reduce_dtype else max(4, dtype_bytes(dtype))
     for rank in held.distinct:
         local, sums = held.params[rank], stages.sums[rank]
         state = training_state(local, dtype, optimizer, layout.zero, layout.mesh.dp)
         memory = _rank_memory(state, sums, stages.working[rank], layout, rank)
         if worst is None or memory.total > worst.total:
             worst = memory
-        width = dtype_bytes(grad_reduce_dtype) if grad_reduce_dtype else max(4, dtype_bytes(dtype))
         syncs.append((local * width, sums.backward, held.gathers[rank]))
+    key = ("sync", layout.mesh.dp, layout.mesh.tp, layout.zero, layout.collective_algorithm,
+           layout.num_microbatches, layout.bucket_mb, tuple(syncs), overlap, gather_overlap)
+    if key not in cache:
+        cache[key] = _bucketed_sync(cluster, layout, tuple(syncs), overlap, gather_overlap)
+    return (worst, *cache[key])
+
+
+def _bucketed_sync(cluster, layout: Layout, syncs: tuple[tuple[float, float, int], ...],
+                   overlap: bool, gather_overlap: bool) -> tuple[float, float, float]:
+    """(slowest dp sync, most exposed part of it, bucket size) of ranks whose (gradient
+    bytes, backward time, ZeRO-3 gathers) are `syncs`; see `_ranks_memory_and_sync`."""
+    sizes = [layout.bucket_mb] if layout.bucket_mb is not None else BUCKET_CHOICES_MB
+    if layout.mesh.dp == 1 or layout.zero == 3:
+        sizes = sizes[-1:]  # no bucketed sync: every size ties, so the largest
+    whole = [_dp_sync(cluster, layout, grad_bytes, gathers) for grad_bytes, _, gathers in syncs]
     best = None
-    for size in ([layout.bucket_mb] if layout.bucket_mb is not None else BUCKET_CHOICES_MB):
+    for size in sizes:
         grad_sync, exposed = 0.0, 0.0
-        for grad_bytes, backward, gathers in syncs:
+        for (grad_bytes, backward, gathers), (_, times, fixed) in zip(syncs, whole):
             buckets = max(1, math.ceil(grad_bytes / (size * 2**20)))
-            _, times, fixed = _dp_sync(cluster, layout, grad_bytes, gathers)
             one = _dp_sync(cluster, layout, grad_bytes / buckets, gathers)[0]
             sync = one * buckets
             if gather_overlap and layout.zero in (1, 2):  # Megatron's param gather is hidden
@@ -507,12 +527,17 @@ def _ranks_memory_and_sync(cluster, layout: Layout, stages: Split, held: Held, d
             exposed = max(exposed, times * (max(sync - hidden, floor) if sync else 0.0) + fixed)
         if best is None or exposed <= best[1] * (1 + 1e-9):  # a tie: fewer, larger buckets
             best = (grad_sync, exposed, size)
-    return worst, *best
+    return best
 
 
-def dp_ranks(layout: Layout) -> list[int]:
+def dp_ranks(layout: Layout) -> tuple[int, ...]:
     """One dp group: the ranks with the same pp and tp coordinate as rank 0."""
-    return [layout.mesh.tp * i for i in range(layout.mesh.dp)]
+    return _strided(layout.mesh.tp, layout.mesh.dp)
+
+
+@lru_cache(maxsize=1024)
+def _strided(stride: int, count: int) -> tuple[int, ...]:
+    return tuple(stride * i for i in range(count))
 
 
 def gather_min_mb(cluster, layout: Layout) -> float:

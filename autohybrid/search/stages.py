@@ -12,6 +12,7 @@ Example::
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from itertools import accumulate
 from typing import Sequence
 
@@ -28,15 +29,11 @@ def partition(costs: Sequence[float], stages: int) -> tuple[tuple[int, ...], flo
     for k in range(2, stages + 1):
         new = [inf] * (n + 1)
         cut = [0] * (n + 1)
+        # i ranges over [k-1, j-1]; f(i) = best[i] rises, g(i) = prefix[j] - prefix[i] falls:
+        # they cross at the first i with best[i] + prefix[i] >= prefix[j] (a rising list)
+        rising = [b + p for b, p in zip(best, prefix)]
         for j in range(k, n + 1):
-            # i ranges over [k-1, j-1]; f(i) = best[i] rises, g(i) = prefix[j] - prefix[i] falls
-            lo, hi = k - 1, j - 1
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if best[mid] < prefix[j] - prefix[mid]:
-                    lo = mid + 1
-                else:
-                    hi = mid
+            lo = bisect_left(rising, prefix[j], k - 1, j - 1)
             for i in (lo - 1, lo):
                 if k - 1 <= i <= j - 1:
                     value = max(best[i], prefix[j] - prefix[i])
