@@ -20,8 +20,8 @@ Mechanisms:
   against the flat ring all-reduce;
 - TP+SP (dp 2 × tp 2 with sequence parallelism): collective matmul (each sp all-gather →
   linear and linear → reduce-scatter in chunks, ops/collective_matmul.py), against the
-  unchunked collectives ("async only": the overlap pass on, which today moves only
-  ZeRO-3's gathers), against both off;
+  unchunked collectives split into issue and wait with independent compute moved
+  between them ("async only": the overlap pass on, passes/overlap.py), against both off;
 - PP (pp 2 × dp 2, 1F1B, 4 microbatches): each stage's dp gradient buckets launched as
   soon as their last microbatch's gradients are accumulated, while the schedule runs on
   (runtime/reducer.py), against the sync after the schedule

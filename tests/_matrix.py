@@ -152,11 +152,28 @@ class Case:
         return parity % 2 == 0
 
     @property
+    def algorithm(self) -> str:
+        """The dp gradient all-reduce. Where the dp group can span 2 "nodes" × 2 ranks
+        (dp 4 with ZeRO 0), the case runs on the CPU preset's 2 nodes with the
+        hierarchical or the segmented all-reduce (runtime/collectives.py), alternating
+        as `chunked` does; elsewhere flat, on one node."""
+        if self.dp != 4 or self.zero or self.world != 4:
+            return "flat"
+        parity = sum(DIMENSIONS[d].index(getattr(self, d)) for d in DIMENSIONS)
+        return ("hierarchical", "segmented")[parity % 2]
+
+    def cluster(self) -> ah.Cluster:
+        if self.algorithm == "flat":
+            return ah.Cluster.local(self.world)
+        return ah.Cluster.preset("cpu", nodes=2, devices_per_node=self.world // 2)
+
+    @property
     def name(self) -> str:
         sp = ("+sp+cm" if self.chunked else "+sp") if self.sp else ""
         schedule = "" if self.pp == 1 else f" {self.schedule}×{self.virtual_stages}"
         return (f"{self.model}/{self.optimizer}/{self.precision}/pp{self.pp}×dp{self.dp}"
                 f"×tp{self.tp}{sp}{schedule} m={self.num_microbatches} zero{self.zero} "
+                f"{'' if self.algorithm == 'flat' else self.algorithm + ' '}"
                 f"recompute={self.recompute}")
 
     def constraints(self) -> ah.Constraints:
@@ -164,7 +181,8 @@ class Case:
         return ah.Constraints(pp=self.pp, dp=self.dp, tp=self.tp, sp=self.sp,
                               schedule=self.schedule, virtual_stages=self.virtual_stages,
                               num_microbatches=self.num_microbatches, zero=self.zero,
-                              recompute=self.recompute, collective_matmul=self.chunked)
+                              recompute=self.recompute, collective_matmul=self.chunked,
+                              collective_algorithm=self.algorithm)
 
     def seconds(self) -> float:
         """A rough cost on two cores (`MODEL_SECONDS`, `WORLD_FACTOR`); pp 4 builds deeper

@@ -9,9 +9,14 @@ CI runs `ci_sample()` (every valid pair of option values in at least one case), 
 `ah.launch` per world size; each case pins the whole plan, trains 3 steps against an
 eager float64 copy (loss, gathered gradients and parameters after every step;
 tests/_equiv.py) and checks the compiled plan is the pinned one (mesh, schedule, stages,
-microbatches, ZeRO shards, checkpointed regions). `make test-full` (AUTOHYBRID_TEST_FULL=1)
-runs `full_cases()` too: every other valid case on 1–4 ranks plus an all-pairs cover of
-the 8-rank cells, in launches of about `FULL_CHUNK_S` estimated seconds.
+microbatches, ZeRO shards, checkpointed regions, collective matmuls, the dp all-reduce).
+Options outside the dimensions ride on them (tests/_matrix.py): about half the sp cases of
+the attention models run their sp linears as collective matmuls (`Case.chunked`), and the
+dp 4 ZeRO-0 cases run on 2 CPU "nodes" with the hierarchical or segmented all-reduce
+(`Case.algorithm`); the overlap pass and the dp buckets are on in every case.
+`make test-full` (AUTOHYBRID_TEST_FULL=1) runs `full_cases()` too: every other valid case
+on 1–4 ranks plus an all-pairs cover of the 8-rank cells, in launches of about
+`FULL_CHUNK_S` estimated seconds.
 
 Measured on the 2-core machine (torch 2.13.0+cpu) while another suite ran alongside (load
 10–25): a case costs about its `ah.compile` (every rank captures the model), 1–3 s for
@@ -146,6 +151,8 @@ def _check_plan(fails: Failures, case: Case, compiled) -> None:
     fails.check(f"{case.name}: {regions} checkpointed regions",
                 (regions > 0) == (case.recompute != "none"))
     chunked = compiled.notes["train"].get("collective_matmuls", 0)
+    fails.check(f"{case.name}: dp all-reduce {plan.collective_algorithm}",
+                plan.collective_algorithm == case.algorithm)
     fails.check(f"{case.name}: {chunked} collective matmuls (plan: "
                 f"{plan.collective_matmul})", plan.collective_matmul == case.chunked
                 and (chunked > 0) == case.chunked)
@@ -174,7 +181,7 @@ def _run_case(fails: Failures, case: Case) -> None:
     ref = copy.deepcopy(model)
     loss_fn, optimizer = zoo_loss(case.model), OPTIMIZERS[case.optimizer]
     inputs, targets = batches[0]
-    compiled = ah.compile(model, ah.Cluster.local(case.world), inputs, loss_fn=loss_fn,
+    compiled = ah.compile(model, case.cluster(), inputs, loss_fn=loss_fn,
                           example_targets=targets, optimizer=optimizer,
                           constraints=case.constraints(), dtype=setup.compile_dtype)
 

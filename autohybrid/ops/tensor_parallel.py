@@ -20,6 +20,11 @@ parallelism's replacement of f). Shards are equal and in rank order; `tp_split` 
 `sp_reduce_scatter` raise `RuntimeFailure` when the size along `dim` does not divide by
 the axis size. Outputs are new contiguous tensors, never aliases of the input.
 
+The ops that communicate in forward (tp_reduce, tp_gather, sp_gather, sp_reduce_scatter)
+also come as an issue/wait pair, `<op>_start` and `<op>_wait` (`ASYNC_FORMS`), whose
+composition equals the sync op in value and gradient: passes/overlap.py splits the sync
+nodes of a graph into them and runs compute between the two.
+
 The module-level names are the `CustomOpDef`s, callable as plain functions:
 ``tp_copy(x, "tp")`` is ``torch.ops.autohybrid.tp_copy(x, "tp")``.
 """
@@ -224,3 +229,203 @@ def _replicated_backward(ctx, grad):
 
 
 tp_replicated.register_autograd(_replicated_backward, setup_context=_replicated_setup)
+
+
+# ------------------------------------------------------------------ issue / wait forms
+# The forward collectives above (tp_reduce, tp_gather, sp_gather, sp_reduce_scatter) also
+# come as two ops each, so that passes/overlap.py can run compute while they transfer:
+#
+#     buffer = <op>_start(x, [dim,] axis)     issues the collective (async_op=True) and
+#                                             returns the buffer it fills
+#     y      = <op>_wait(buffer, x, [dim,] axis)  waits, then gives the result (a new
+#                                             contiguous tensor, equal to <op>(x, ...))
+#
+# The buffer holds the result with `dim` moved to the front (what the collective writes;
+# for tp_reduce, the result itself); it is valid only once its wait has run. The pending
+# work of a start is found by the identity of its buffer, as zero_gather_start's is. The
+# wait takes `x` too, so that autograd routes the gradient to it: the wait's backward is
+# exactly the sync op's (its partner op on the gradient); the start's buffer has none.
+
+_PENDING: dict[int, tuple[object, torch.Tensor | None]] = {}  # id(buffer) → (work, its input)
+
+
+def _issued(buffer: torch.Tensor, work: object | None, source: torch.Tensor | None
+            ) -> torch.Tensor:
+    """Remember `work` (and the tensor it reads, kept alive until it is done)."""
+    if work is not None:
+        _PENDING[id(buffer)] = (work, source)
+    return buffer
+
+
+def _waited(buffer: torch.Tensor, dim: int, ndim: int) -> torch.Tensor:
+    """Wait for `buffer`'s collective; its result with the front dim moved back to `dim`
+    (a new tensor: an op's output may not alias its input)."""
+    pending = _PENDING.pop(id(buffer), None)
+    if pending is not None:
+        pending[0].wait()
+    out = buffer.movedim(0, dim % ndim) if ndim else buffer
+    return out.clone(memory_format=torch.contiguous_format)
+
+
+def _front(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """`x` with `dim` moved to the front, contiguous (what a collective reads)."""
+    return x.movedim(dim, 0).contiguous()
+
+
+def _front_shape(x: torch.Tensor, dim: int, size) -> list[int]:
+    """The shape of `x` with `dim` moved to the front and sized `size`."""
+    shape = list(x.shape)
+    shape.pop(dim % x.dim())
+    return [size, *shape]
+
+
+def _back_shape(buffer: torch.Tensor, dim: int, ndim: int) -> list[int]:
+    shape = list(buffer.shape)
+    shape.insert(dim % ndim, shape.pop(0))
+    return shape
+
+
+@torch.library.custom_op("autohybrid::tp_reduce_start", mutates_args=())
+def tp_reduce_start(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """Issue tp_reduce's all-reduce; the buffer it fills (wait with tp_reduce_wait)."""
+    out = x.clone(memory_format=torch.contiguous_format)
+    group = _group(axis)
+    work = None if group is None else dist.all_reduce(out, group=group, async_op=True)
+    return _issued(out, work, None)
+
+
+@torch.library.custom_op("autohybrid::tp_reduce_wait", mutates_args=())
+def tp_reduce_wait(buffer: torch.Tensor, x: torch.Tensor, axis: str) -> torch.Tensor:
+    """tp_reduce(x, axis), from the buffer of its start."""
+    return _waited(buffer, 0, buffer.dim())
+
+
+def _gather_start(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+    group = _group(axis)
+    if group is None:
+        return x.movedim(dim, 0).clone(memory_format=torch.contiguous_format)
+    src = _front(x, dim)
+    out = src.new_empty(_gathered_shape(src, 0, dist.get_world_size(group)))
+    work = groups.all_gather_single(out, src, group=group, async_op=True)
+    return _issued(out, work, src)
+
+
+@torch.library.custom_op("autohybrid::tp_gather_start", mutates_args=())
+def tp_gather_start(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+    """Issue tp_gather's all-gather; the buffer it fills (wait with tp_gather_wait)."""
+    return _gather_start(x, dim, axis)
+
+
+@torch.library.custom_op("autohybrid::tp_gather_wait", mutates_args=())
+def tp_gather_wait(buffer: torch.Tensor, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+    """tp_gather(x, dim, axis), from the buffer of its start."""
+    return _waited(buffer, dim, x.dim())
+
+
+@torch.library.custom_op("autohybrid::sp_gather_start", mutates_args=())
+def sp_gather_start(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+    """Issue sp_gather's all-gather; the buffer it fills (wait with sp_gather_wait)."""
+    return _gather_start(x, dim, axis)
+
+
+@torch.library.custom_op("autohybrid::sp_gather_wait", mutates_args=())
+def sp_gather_wait(buffer: torch.Tensor, x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+    """sp_gather(x, dim, axis), from the buffer of its start."""
+    return _waited(buffer, dim, x.dim())
+
+
+@torch.library.custom_op("autohybrid::sp_reduce_scatter_start", mutates_args=())
+def sp_reduce_scatter_start(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+    """Issue sp_reduce_scatter's reduce-scatter; the buffer it fills (wait with
+    sp_reduce_scatter_wait)."""
+    group = _group(axis)
+    if group is None:
+        return x.movedim(dim, 0).clone(memory_format=torch.contiguous_format)
+    src = _front(x, dim)
+    n = dist.get_world_size(group)
+    out = src.new_empty(_shard_shape(src, 0, n, "sp_reduce_scatter", axis))
+    work = groups.reduce_scatter_single(out, src, group=group, async_op=True)
+    return _issued(out, work, src)
+
+
+@torch.library.custom_op("autohybrid::sp_reduce_scatter_wait", mutates_args=())
+def sp_reduce_scatter_wait(buffer: torch.Tensor, x: torch.Tensor, dim: int, axis: str
+                           ) -> torch.Tensor:
+    """sp_reduce_scatter(x, dim, axis), from the buffer of its start."""
+    return _waited(buffer, dim, x.dim())
+
+
+@tp_reduce_start.register_fake
+def _(x, axis):
+    return x.new_empty(x.shape)
+
+
+@tp_reduce_wait.register_fake
+def _(buffer, x, axis):
+    return buffer.new_empty(buffer.shape)
+
+
+def _gather_start_fake(x, dim, axis):
+    return x.new_empty(_front_shape(x, dim, x.shape[dim] * groups.size(axis)))
+
+
+tp_gather_start.register_fake(_gather_start_fake)
+sp_gather_start.register_fake(_gather_start_fake)
+
+
+@sp_reduce_scatter_start.register_fake
+def _(x, dim, axis):
+    n = groups.size(axis)
+    return x.new_empty(_front_shape(x, dim,
+                                    _shard_shape(x, dim, n, "sp_reduce_scatter", axis)[dim]))
+
+
+def _wait_fake(buffer, x, dim, axis):
+    return buffer.new_empty(_back_shape(buffer, dim, x.dim()))
+
+
+for _wait in (tp_gather_wait, sp_gather_wait, sp_reduce_scatter_wait):
+    _wait.register_fake(_wait_fake)
+
+
+def _start_setup(ctx, inputs, output) -> None:
+    ctx.count = len(inputs)
+    ctx.mark_non_differentiable(output)
+
+
+def _start_backward(ctx, grad):
+    return (None,) * ctx.count  # x's gradient comes from the wait, which also reads x
+
+
+def _wait_pair(wait, partner) -> None:
+    """The backward of `wait(buffer, x, *args)` is `partner(grad, *args)` for x: the sync
+    op's own backward."""
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.args = inputs[2:]
+
+    def backward(ctx, grad):
+        return (None, partner(grad, *ctx.args), *[None] * len(ctx.args))
+
+    wait.register_autograd(backward, setup_context=setup_context)
+
+
+for _start in (tp_reduce_start, tp_gather_start, sp_gather_start, sp_reduce_scatter_start):
+    _start.register_autograd(_start_backward, setup_context=_start_setup)
+for _wait, _partner in ((tp_reduce_wait, tp_copy), (tp_gather_wait, tp_split),
+                        (sp_gather_wait, sp_reduce_scatter),
+                        (sp_reduce_scatter_wait, sp_gather)):
+    _wait_pair(_wait, _partner)
+
+#: sync op → (its start op, its wait op), as fx targets: passes/overlap.py splits each
+#: such node of a graph into the two, `start(*args)` and `wait(start, *args)`.
+ASYNC_FORMS = {
+    torch.ops.autohybrid.tp_reduce.default: (torch.ops.autohybrid.tp_reduce_start.default,
+                                             torch.ops.autohybrid.tp_reduce_wait.default),
+    torch.ops.autohybrid.tp_gather.default: (torch.ops.autohybrid.tp_gather_start.default,
+                                             torch.ops.autohybrid.tp_gather_wait.default),
+    torch.ops.autohybrid.sp_gather.default: (torch.ops.autohybrid.sp_gather_start.default,
+                                             torch.ops.autohybrid.sp_gather_wait.default),
+    torch.ops.autohybrid.sp_reduce_scatter.default: (
+        torch.ops.autohybrid.sp_reduce_scatter_start.default,
+        torch.ops.autohybrid.sp_reduce_scatter_wait.default),
+}

@@ -14,8 +14,10 @@ stage); `pipeline_split` last cuts the finished rank-local graph into stages (so
 a stage's graph carries its tp/sp collectives and sends tp-local activations);
 `recompute` after it wraps the blocks (or attention cores) of the graph and of every stage
 in checkpointed submodules, so it sees the final per-rank and per-stage graphs; `overlap`
-last moves the issue of each split collective (ZeRO-3's gathers) up, within a budget of
-bytes in flight, on those final graphs. `fusion` joins this list when it exists.
+last splits each forward tp/sp collective into an issue and a wait, moves waits to their
+first use and issues (ZeRO-3's gathers too) up within a budget of bytes in flight, and
+moves independent compute between them to hide each collective, within a peak-memory
+budget, on those final graphs. `fusion` joins this list when it exists.
 """
 from __future__ import annotations
 
