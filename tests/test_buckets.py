@@ -62,3 +62,36 @@ def test_tiny_model_gets_one_bucket_and_pins_are_kept():
     assert pinned.bucket_mb == 0.5
     assert pinned.predicted.exposed_comm_s >= plan.predicted.exposed_comm_s
     assert dataclasses.replace(plan, bucket_mb=2.0).bucket_mb == 2.0
+
+
+def test_zero3_gathers_hide_behind_the_layer_before():
+    """ZeRO-3 prices each layer's gather prefetched one layer ahead (passes/overlap.py):
+    with no compute everything is exposed, as without prefetch; with compute longer
+    than every gather only the first gather of forward and of backward stays; the
+    reduce-scatters stay exposed whatever the compute."""
+    from autohybrid.cost import comm
+    from autohybrid.plan import Mesh
+    from autohybrid.search.pricing import Layout, _dp_sync, dp_ranks
+
+    cluster = ah.Cluster.preset("dgx-a100-80gb", nodes=2)
+    layout = Layout(Mesh(dp=16), 1, 2, zero=3)
+    ranks, nbytes, k, m = dp_ranks(layout), 2e9, 10, 2
+    gather = comm.all_gather(cluster, ranks, nbytes)
+    scatter = comm.reduce_scatter(cluster, ranks, nbytes)
+    latency = comm.ring_latency(cluster, ranks)
+    total = m * (scatter + 2 * gather + 3 * (k - 1) * latency)
+
+    def exposed(forward: float, backward: float) -> float:
+        sync, times, fixed, hidden = _dp_sync(cluster, layout, nbytes, k, forward, backward)
+        assert (sync, times) == (0.0, 1) and fixed == pytest.approx(total)
+        return fixed - hidden
+
+    assert exposed(0.0, 0.0) == pytest.approx(total)
+    one = (gather + (k - 1) * latency) / k
+    ample = exposed(10.0, 20.0)
+    assert ample == pytest.approx(m * (scatter + (k - 1) * latency + 2 * one))
+    # half a gather of compute per layer hides half of each later gather
+    half = exposed(k * one / 2, k * one / 2)
+    exposed_gathers = 2 * (one + (k - 1) * one / 2)
+    assert half == pytest.approx(m * (scatter + (k - 1) * latency + exposed_gathers))
+    assert ample < half < total

@@ -496,7 +496,8 @@ def _ranks_memory_and_sync(cluster, layout: Layout, stages: Split, held: Held, d
         memory = _rank_memory(state, sums, stages.working[rank], layout, rank)
         if worst is None or memory.total > worst.total:
             worst = memory
-        syncs.append((local * width, sums.backward, held.gathers[rank]))
+        syncs.append((local * width, sums.backward, held.gathers[rank], sums.forward,
+                      sums.recompute))
     key = ("sync", layout.mesh.dp, layout.mesh.tp, layout.zero, layout.collective_algorithm,
            layout.num_microbatches, layout.bucket_mb, tuple(syncs), overlap, gather_overlap)
     if key not in cache:
@@ -504,18 +505,21 @@ def _ranks_memory_and_sync(cluster, layout: Layout, stages: Split, held: Held, d
     return (worst, *cache[key])
 
 
-def _bucketed_sync(cluster, layout: Layout, syncs: tuple[tuple[float, float, int], ...],
-                   overlap: bool, gather_overlap: bool) -> tuple[float, float, float]:
+def _bucketed_sync(cluster, layout: Layout, syncs: tuple[tuple, ...], overlap: bool,
+                   gather_overlap: bool) -> tuple[float, float, float]:
     """(slowest dp sync, most exposed part of it, bucket size) of ranks whose (gradient
-    bytes, backward time, ZeRO-3 gathers) are `syncs`; see `_ranks_memory_and_sync`."""
+    bytes, backward time, ZeRO-3 gathers, forward time, recomputation time) per
+    microbatch are `syncs`; see `_ranks_memory_and_sync`."""
     sizes = [layout.bucket_mb] if layout.bucket_mb is not None else BUCKET_CHOICES_MB
     if layout.mesh.dp == 1 or layout.zero == 3:
         sizes = sizes[-1:]  # no bucketed sync: every size ties, so the largest
-    whole = [_dp_sync(cluster, layout, grad_bytes, gathers) for grad_bytes, _, gathers in syncs]
+    whole = [_dp_sync(cluster, layout, grad_bytes, gathers, forward, backward + recompute)
+             for grad_bytes, backward, gathers, forward, recompute in syncs]
     best = None
     for size in sizes:
         grad_sync, exposed = 0.0, 0.0
-        for (grad_bytes, backward, gathers), (_, times, fixed) in zip(syncs, whole):
+        for (grad_bytes, backward, gathers, *_), (_, times, fixed, prefetched) in zip(
+                syncs, whole):
             buckets = max(1, math.ceil(grad_bytes / (size * 2**20)))
             one = _dp_sync(cluster, layout, grad_bytes / buckets, gathers)[0]
             sync = one * buckets
@@ -524,7 +528,8 @@ def _bucketed_sync(cluster, layout: Layout, syncs: tuple[tuple[float, float, int
             hidden = backward * (buckets - 1) / buckets if overlap else 0.0
             grad_sync = max(grad_sync, times * sync + fixed)
             floor = one if overlap else sync
-            exposed = max(exposed, times * (max(sync - hidden, floor) if sync else 0.0) + fixed)
+            exposed = max(exposed, times * (max(sync - hidden, floor) if sync else 0.0)
+                          + fixed - prefetched)
         if best is None or exposed <= best[1] * (1 + 1e-9):  # a tie: fewer, larger buckets
             best = (grad_sync, exposed, size)
     return best
@@ -548,11 +553,11 @@ def gather_min_mb(cluster, layout: Layout) -> float:
     return comm.latency_bytes(cluster, dp_ranks(layout)) / 2**20
 
 
-def _dp_sync(cluster, layout: Layout, nbytes: float,
-             gathers: int = 1) -> tuple[float, int, float]:
+def _dp_sync(cluster, layout: Layout, nbytes: float, gathers: int = 1, forward: float = 0.0,
+             backward: float = 0.0) -> tuple[float, int, float, float]:
     """The dp synchronization of one rank's `nbytes` of gradients, as the runtime runs it:
     (a reduction that overlaps a backward in buckets, how many times per step, time that
-    overlaps nothing).
+    runs outside the buckets, the part of that hidden behind compute).
 
     ZeRO 0: one all-reduce in the last backward, flat, hierarchical or segmented as the
     layout says (cost/comm.py: `dp_all_reduce`). ZeRO-1: a reduce-scatter there, and the
@@ -560,24 +565,37 @@ def _dp_sync(cluster, layout: Layout, nbytes: float,
     ZeRO paper). ZeRO-2: the reduce-scatter in every microbatch's backward. ZeRO-3: each
     microbatch gathers the parameters before each layer's forward and again in backward
     and reduce-scatters their gradients (runtime/zero.py: 3Ψ per microbatch), in three
-    collectives for each of the rank's `gathers`: each collective's latency counts. All
-    of it is priced exposed: the reduce-scatters are synchronous, and the prefetch of the
-    gathers (passes/overlap.py, backward's next layer) is not credited yet."""
+    collectives for each of the rank's `gathers`: each collective's latency counts. The
+    reduce-scatters are synchronous: exposed. The gathers are prefetched one layer ahead
+    (passes/overlap.py in forward, passes/zero.py's backward gathers): each but the first
+    hides behind the layer before it, `forward` / `backward` (a microbatch's compute on
+    the rank, recomputation included) shared evenly by the gathers (`_prefetched`)."""
     mesh = layout.mesh
     if mesh.dp == 1:
-        return 0.0, 1, 0.0
+        return 0.0, 1, 0.0, 0.0
     ranks = dp_ranks(layout)
     if layout.zero == 0:
-        return comm.dp_all_reduce(cluster, ranks, nbytes, layout.collective_algorithm), 1, 0.0
+        return comm.dp_all_reduce(cluster, ranks, nbytes, layout.collective_algorithm), 1, \
+            0.0, 0.0
     scatter = comm.reduce_scatter(cluster, ranks, nbytes)
     gather = comm.all_gather(cluster, ranks, nbytes)
     m = layout.num_microbatches
     if layout.zero == 1:
-        return scatter, 1, gather
+        return scatter, 1, gather, 0.0
     if layout.zero == 2:
-        return scatter, m, gather
-    more = 3 * (max(gathers, 1) - 1) * comm.ring_latency(cluster, ranks)
-    return 0.0, 1, m * (scatter + 2 * gather + more)
+        return scatter, m, gather, 0.0
+    k = max(gathers, 1)
+    latency = comm.ring_latency(cluster, ranks)
+    one = (gather + (k - 1) * latency) / k   # one layer's gather
+    hidden = 2 * k * one - _prefetched(one, k, forward) - _prefetched(one, k, backward)
+    return 0.0, 1, m * (scatter + 2 * gather + 3 * (k - 1) * latency), m * hidden
+
+
+def _prefetched(one: float, k: int, compute: float) -> float:
+    """Exposed time of `k` gathers of `one` seconds each, each issued when the layer
+    before it starts (k layers computing `compute` in all): the first waits whole, each
+    later one as far as it outlasts its predecessor's layer."""
+    return one + (k - 1) * max(0.0, one - compute / k)
 
 
 def _rank_memory(state: MemoryBreakdown, sums: LayerTimes, working: float, layout: Layout,
