@@ -413,8 +413,18 @@ class CompiledModel:
 
     @property
     def kernels(self) -> list:
-        """Generated fused kernels of this program (none: no fusion pass runs yet)."""
-        return []
+        """The generated kernels (`ops.fused.KernelInfo`) of this rank's programs: one per
+        distinct region the fusion pass fused (passes/fusion.py), in the order it first
+        fused them; empty when the pass is off or fused nothing."""
+        keys: dict[str, None] = {}
+        for notes in self.notes.values():
+            for region in notes.get("fusion", ()):
+                keys.setdefault(region.key, None)
+        if not keys:
+            return []
+        from .ops import fused
+        by_key = {k.key: k for k in fused.kernels()}
+        return [by_key[key] for key in keys if key in by_key]
 
     @property
     def reducer_events(self):

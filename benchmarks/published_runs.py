@@ -10,7 +10,9 @@ predicted and published iteration times, their ratio, and the full/selective rat
 from __future__ import annotations
 
 import math
+import re
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +21,7 @@ import autohybrid as ah
 from autohybrid.capture import capture
 from autohybrid.plan import Mesh
 from autohybrid.search.pricing import TP_OVERLAP_MEGATRON_CORE, Layout, price
-from autohybrid.search.space import profile
+from autohybrid.search.space import ModelProfile, profile
 
 #: name, layers, hidden, heads, tp, pp, global batch, microbatch, full s, selective s
 KORTHIKANTI = [
@@ -30,14 +32,51 @@ KORTHIKANTI = [
 ]
 
 
-def predict(row) -> dict:
-    name, layers, hidden, heads, tp, pp, batch, micro, full, selective = row
-    model = ah.models.gpt(layers=layers, hidden=hidden, heads=heads, vocab=51200, seq=2048,
-                          device="meta")
-    tokens = torch.zeros(micro, 2048, dtype=torch.long, device="meta")
+#: blocks captured; the profile's last block stands for the others (`deepened`)
+CAPTURED_BLOCKS = 2
+
+
+def gpt_profile(layers: int, hidden: int, heads: int, vocab: int, seq: int,
+                micro: int = 1) -> ModelProfile:
+    """The costed zoo GPT with `layers` blocks: `CAPTURED_BLOCKS` of them captured on the
+    meta device (with the loss), the rest copies of the last (`deepened`)."""
+    model = ah.models.gpt(layers=min(layers, CAPTURED_BLOCKS), hidden=hidden, heads=heads,
+                          vocab=vocab, seq=seq, device="meta")
+    tokens = torch.zeros(micro, seq, dtype=torch.long, device="meta")
     loss = lambda logits, t: F.cross_entropy(logits.flatten(0, 1), t.flatten())
     cap = capture(model, (tokens,), loss, tokens)
-    prof = profile(cap.gm, cap.dim_roles)
+    return deepened(profile(cap.gm, cap.dim_roles), layers)
+
+
+def deepened(prof: ModelProfile, layers: int) -> ModelProfile:
+    """`prof` of a zoo GPT/Llama with its transformer blocks repeated up to `layers`: the
+    blocks are identical layers (one signature, the same costs), so the profile of the
+    deep model is the shallow one's with copies of its last block, each holding its own
+    parameters (`blocks.<i>.`) — what capturing the deep model gives (tests/test_search.py
+    checks it) at a fraction of the capture time."""
+    blocks = [i for i, layer in enumerate(prof.layers) if _BLOCK.fullmatch(layer.name)]
+    if len(blocks) >= layers:
+        return prof
+    last = prof.layers[blocks[-1]]
+    index = int(_BLOCK.fullmatch(last.name).group(2))
+    copies = []
+    for i in range(index + 1, index + 1 + layers - len(blocks)):
+        params = tuple((name.replace(f"blocks.{index}.", f"blocks.{i}.", 1), count, split)
+                       for name, count, split in last.params)
+        copies.append(replace(last, name=_BLOCK.sub(rf"\g<1>{i}", last.name), params=params,
+                              collectives=list(last.collectives)))
+    extra = sum(count for _, count, _ in last.params) * len(copies)
+    at = blocks[-1] + 1
+    return replace(prof, layers=[*prof.layers[:at], *copies, *prof.layers[at:]],
+                   param_count=prof.param_count + extra)
+
+
+_BLOCK = re.compile(r"(.*blocks\.)(\d+)")
+
+
+def predict(row) -> dict:
+    name, layers, hidden, heads, tp, pp, batch, micro, full, selective = row
+    prof = gpt_profile(layers, hidden, heads, 51200, 2048, micro)
     cluster = ah.Cluster.preset("dgx-a100-80gb", nodes=tp * pp // 8)
     out = {"name": name, "published": {"full": full, "selective": selective}}
     for recompute in ("full", "selective"):
@@ -74,12 +113,7 @@ MEGATRON_CORE_SEQ, MEGATRON_CORE_VOCAB = 4096, 131072
 def megatron_core_profile(row):
     """The costed model of a Megatron-Core row (captured once on the meta device)."""
     name, heads, hidden, layers = row[:4]
-    model = ah.models.gpt(layers=layers, hidden=hidden, heads=heads,
-                          vocab=MEGATRON_CORE_VOCAB, seq=MEGATRON_CORE_SEQ, device="meta")
-    tokens = torch.zeros(1, MEGATRON_CORE_SEQ, dtype=torch.long, device="meta")
-    cap = capture(model, (tokens,), lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten()),
-                  tokens)
-    return profile(cap.gm, cap.dim_roles)
+    return gpt_profile(layers, hidden, heads, MEGATRON_CORE_VOCAB, MEGATRON_CORE_SEQ)
 
 
 def predict_megatron_core(row, tp_overlap: float = TP_OVERLAP_MEGATRON_CORE,

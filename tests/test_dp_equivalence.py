@@ -405,7 +405,7 @@ def _bucket_rank(rank: int, world: int) -> dict:
     fails = Failures()
     compiled, _ = train_and_compare(fails, "gpt-tiny/bucket_mb=0.01", zoo_model("gpt-tiny"),
                                     zoo_batches("gpt-tiny", 8), world, loss_fn=lm_loss,
-                                    constraints=ah.Constraints(bucket_mb=0.01))
+                                    constraints=ah.Constraints(bucket_mb=0.01, dp=2, zero=0))
     events = compiled.reducer_events
     return {"fails": fails, "bucket_mb": compiled.plan.bucket_mb,
             "buckets": len(compiled.executor.reducer.buckets),

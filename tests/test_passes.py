@@ -311,7 +311,7 @@ def test_disable_passes_by_name(monkeypatch) -> None:
     gm = run_passes(cap.gm, ctx, passes_for("train"))
     assert len(training_batch_norms(gm)) == norms
     assert ctx.notes["loss_kind"] == "mean"  # global_loss still ran
-    monkeypatch.setenv("AUTOHYBRID_DISABLE_PASSES", "global_loss,sync_batch_norm")
+    monkeypatch.setenv("AUTOHYBRID_DISABLE_PASSES", "global_loss,sync_batch_norm,fusion")
     ctx = train_context(cap, make_plan(dp=2))
     gm = run_passes(cap.gm, ctx, passes_for("train"))
     assert "loss_kind" not in ctx.notes and gm.code == cap.gm.code
@@ -331,12 +331,12 @@ def test_debug_dumps_plan_and_one_graph_per_pass(monkeypatch, tmp_path) -> None:
                      "02_train_sync_batch_norm.py", "03_train_tensor_parallel.py",
                      "04_train_sequence_parallel.py", "05_train_zero.py",
                      "06_train_collective_matmul.py", "07_train_pipeline_split.py",
-                     "08_train_recompute.py", "09_train_overlap.py"]
+                     "08_train_recompute.py", "09_train_overlap.py", "10_train_fusion.py"]
     assert "sync_batch_norm" in (dump / "02_train_sync_batch_norm.py").read_text()
     assert "sync_batch_norm" not in (dump / "01_train_global_loss.py").read_text()
     last = (dump / "04_train_sequence_parallel.py").read_text()  # tp=1: nothing to split
     assert last == (dump / "02_train_sync_batch_norm.py").read_text()
-    assert gm.print_readable(print_output=False) == last
+    assert gm.print_readable(print_output=False) == (dump / "10_train_fusion.py").read_text()
 
     monkeypatch.setenv("AUTOHYBRID_DISABLE_PASSES", "sync_batch_norm")
     forward = capture(models.preset("mlp-tiny"), (torch.randn(4, 16),), with_loss=False)
@@ -346,7 +346,7 @@ def test_debug_dumps_plan_and_one_graph_per_pass(monkeypatch, tmp_path) -> None:
         "00_forward_capture.py", "02_forward_tensor_parallel.py",
         "03_forward_sequence_parallel.py", "04_forward_zero.py",
         "05_forward_collective_matmul.py", "06_forward_pipeline_split.py",
-        "07_forward_recompute.py", "08_forward_overlap.py"]  # 01: disabled
+        "07_forward_recompute.py", "08_forward_overlap.py", "09_forward_fusion.py"]  # 01: off
 
 
 @pytest.mark.timeout(60)

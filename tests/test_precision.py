@@ -164,7 +164,8 @@ def test_compile_refuses_mixed_precision_it_cannot_run():
 
 
 @pytest.mark.timeout(60)
-def test_mixed_precision_graph_computes_in_bf16_over_fp32_parameters():
+def test_mixed_precision_graph_computes_in_bf16_over_fp32_parameters(monkeypatch):
+    monkeypatch.setenv("AUTOHYBRID_DISABLE_PASSES", "fusion")  # the norms stay visible ops
     torch.manual_seed(0)
     model = ah.models.preset("gpt-tiny")
     inputs, targets = ah.models.example_batch("gpt-tiny", 4)

@@ -110,6 +110,34 @@ def test_megatron_shardings_of_a_llama_block_with_swiglu_and_gqa():
     assert not [c for c in layout.collectives if c.kind == "all_gather"]
 
 
+@pytest.mark.timeout(60)
+def test_a_deepened_profile_is_the_captured_deep_model_s():
+    """published_runs captures 2 blocks of its big GPTs and repeats the last: the layers,
+    their costs, parameters and collectives, and the price of a pipelined layout equal
+    those of capturing every block."""
+    from autohybrid.plan import Mesh
+    from autohybrid.search.pricing import Layout
+
+    deep = published_runs.gpt_profile(5, 64, 4, 256, 32, micro=2)
+    model = ah.models.gpt(layers=5, hidden=64, heads=4, vocab=256, seq=32, device="meta")
+    tokens = torch.zeros(2, 32, dtype=torch.long, device="meta")
+    cap = capture(model, (tokens,), lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten()),
+                  tokens)
+    whole = profile(cap.gm, cap.dim_roles)
+    assert [layer.name for layer in deep.layers] == [layer.name for layer in whole.layers]
+    assert len(deep.layers) == 5 + 4  # two embeddings, 5 blocks, ln_f, head
+    for a, b in zip(deep.layers, whole.layers):
+        assert (a.signature, a.params, a.num_ops) == (b.signature, b.params, b.num_ops)
+        assert a.values(3, 32) == b.values(3, 32)
+        assert [c.kind for c in a.collectives] == [c.kind for c in b.collectives]
+    assert deep.param_count == whole.param_count == sum(p.numel() for p in model.parameters())
+    cluster = ah.Cluster.preset("dgx-a100-80gb", nodes=1)
+    layout = Layout(Mesh(pp=2, dp=2, tp=2, sp=True), 2, 4, "1f1b", recompute="selective",
+                    zero=1, bucket_mb=None)
+    assert price(deep, cluster, layout, 32, "bfloat16", 4, "adam", 16) == \
+        price(whole, cluster, layout, 32, "bfloat16", 4, "adam", 16)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("row", published_runs.KORTHIKANTI, ids=lambda r: r[0])
 def test_korthikanti_rows_are_predicted_within_15_percent(row):

@@ -7,3 +7,4 @@ a process group, so one graph is valid on every rank.
 from . import batch_norm, groups  # noqa: F401  (registers the autohybrid:: custom ops)
 from . import tensor_parallel, vocab_parallel  # noqa: F401  (tensor/sequence/vocab-parallel ops)
 from . import dropout  # noqa: F401  (eager-exact dropout on tensor-parallel shards)
+from . import fused  # noqa: F401  (autohybrid::fused_region: generated kernels)

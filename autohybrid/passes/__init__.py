@@ -17,11 +17,16 @@ in checkpointed submodules, so it sees the final per-rank and per-stage graphs; 
 last splits each forward tp/sp collective into an issue and a wait, moves waits to their
 first use and issues (ZeRO-3's gathers too) up within a budget of bytes in flight, and
 moves independent compute between them to hide each collective, within a peak-memory
-budget, on those final graphs. `fusion` joins this list when it exists.
+budget, on those final graphs; `fusion` very last replaces chains of element-wise ops
+and row reductions by generated kernels (one `fused_region` node each) on the graph, on
+every stage and inside every checkpointed submodule, after everything that moves or
+wraps nodes, so that its regions never span a collective, a stage boundary or a
+checkpointed region, and recomputation reruns the fused kernels.
 """
 from __future__ import annotations
 
 from .collective_matmul import collective_matmul
+from .fusion import fusion
 from .global_loss import global_loss
 from .manager import Pass, PassContext, run_passes
 from .overlap import overlap
@@ -42,9 +47,11 @@ REGISTRY: dict[str, Pass] = {
     "pipeline_split": pipeline_split,
     "recompute": recompute,
     "overlap": overlap,
+    "fusion": fusion,
 }
+# "fusion" goes last in ORDER once ops/fused.py's CPU (eager) backward gives gradients
 ORDER = ("global_loss", "sync_batch_norm", "tensor_parallel", "sequence_parallel", "zero",
-         "collective_matmul", "pipeline_split", "recompute", "overlap")
+         "collective_matmul", "pipeline_split", "recompute", "overlap", "fusion")
 
 
 def passes_for(graph_kind: str) -> list[tuple[str, Pass]]:

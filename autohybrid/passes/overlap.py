@@ -90,6 +90,8 @@ WAIT_OPS = frozenset(ISSUE_OPS.values())
 SYNC_OF = {start: sync for sync, (start, _) in ASYNC_FORMS.items()}
 #: autohybrid ops whose forward is local compute (a copy or a slice): they may move
 LOCAL_OPS = frozenset({AH.tp_copy.default, AH.tp_split.default, AH.tp_replicated.default})
+#: autohybrid ops that only compute (passes/fusion.py's kernels): they may move too
+COMPUTE_OPS = frozenset({AH.fused_region.default})
 #: random autohybrid ops (for the rule, not for purity: every other autohybrid op is
 #: a barrier anyway)
 RANDOM_OPS = frozenset({AH.sharded_dropout.default, AH.sharded_sdpa.default})
@@ -163,12 +165,13 @@ def is_random(node: fx.Node) -> bool:
 
 def is_pure(node: fx.Node) -> bool:
     """Compute that may change places: a call_function of an ATen/prim op that neither
-    mutates nor draws random numbers, a getitem, size arithmetic, or a local autohybrid
-    op (tp_copy, tp_split, tp_replicated)."""
+    mutates nor draws random numbers, a getitem, size arithmetic, a local autohybrid
+    op (tp_copy, tp_split, tp_replicated) or a fused kernel (fused_region)."""
     if node.op != "call_function":
         return False
     target = node.target
-    if target is operator.getitem or target in SYM_SIZE_OPS or target in LOCAL_OPS:
+    if target is operator.getitem or target in SYM_SIZE_OPS or target in LOCAL_OPS \
+            or target in COMPUTE_OPS:
         return True
     if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prim"):
         return False

@@ -74,6 +74,8 @@ STANDS_FOR = {"cm_gather_linear": "sp_gather", "cm_linear_reduce_scatter": "sp_r
                                              "sp_reduce_scatter")}}
 SPLIT_STARTS = {f"{op}_start" for op in ("tp_reduce", "tp_gather", "sp_gather",
                                          "sp_reduce_scatter")}
+#: autohybrid ops that only compute (passes/fusion.py's generated kernels): not counted
+COMPUTE_ONLY = {"fused_region"}
 
 
 @dataclass
@@ -261,7 +263,7 @@ def _check(train: CapturedGraph, gm: fx.GraphModule, notes: dict[str, Any], plan
         for node in sub.graph.nodes:
             if node.op == "call_function" and op_name(node).startswith("autohybrid."):
                 name = op_name(node).split(".")[1]
-                if name not in SPLIT_STARTS:
+                if name not in SPLIT_STARTS and name not in COMPUTE_ONLY:
                     counts[STANDS_FOR.get(name, name)] += 1
     biggest = lambda shapes: max(shapes.items(), key=lambda kv: (math.prod(kv[1]), kv[0]))
     return DryRunReport(
