@@ -413,3 +413,33 @@ def test_same_region_same_key():
     assert _bias_gelu_key(symbolic=False) == _bias_gelu_key(symbolic=False)
     assert _bias_gelu_key(symbolic=True) == _bias_gelu_key(symbolic=True)
     assert _bias_gelu_key(symbolic=True) != _bias_gelu_key(symbolic=False)
+
+
+@pytest.mark.timeout(60)
+def test_autotuning_keeps_the_fastest_launch_and_every_launch_is_exact(monkeypatch):
+    """On a GPU each kernel is timed over `configs` once per shape class and the fastest
+    kept. Here a stand-in timer makes each config the fastest in turn (the interpreter
+    runs them): every one computes the region exactly, forward and backward, the kept
+    one is the fastest, and a second call does not time again."""
+    monkeypatch.setattr(tgen, "TUNE_IN_INTERPRETER", True)
+    assert len(tgen.configs(15, 37, False)) == 3 and len(tgen.configs(6, 37, True)) == 2
+    assert {c[1] for c in tgen.configs(6, 37, True)} == {64}   # a reduction keeps its row
+    preferences = [lambda c: -c[0], lambda c: c[0], lambda c: c[1] * 1e4 + c[0]]
+    for prefer in preferences:
+        timed: list[tuple] = []
+
+        def timer(fn, config, _prefer=prefer):
+            fn()
+            timed.append(config)
+            return float(_prefer(config))
+
+        monkeypatch.setattr(tgen, "time_launch", timer)
+        monkeypatch.setattr(tgen, "_TUNED", {})
+        run_and_check(arith, [(3, 5, 37), (37,), (5, 1), (3, 1, 37)], torch.float32, seed=5)
+        run_and_check(rms, [(6, 37), (37,)], torch.float32, seed=6)
+        assert len(tgen._TUNED) == 4   # forward and backward kernel of each region
+        for (_, rows, n, whole), config in tgen._TUNED.items():
+            assert config == min(tgen.configs(rows, n, whole), key=prefer)
+        count = len(timed)
+        run_and_check(rms, [(6, 37), (37,)], torch.float32, seed=7)
+        assert len(timed) == count   # remembered per shape class

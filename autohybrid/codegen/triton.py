@@ -250,17 +250,75 @@ def launch(kernel, program: Program, inputs: list[torch.Tensor],
         else:
             args += list(t.expand(shape).stride())
     rows_whole = whole_rows(program)
-    bm, bn = blocks(R, N, rows_whole, interpret)
-    grid = (triton_cdiv(R, bm), 1 if rows_whole else triton_cdiv(N, bn))
-    extra = {} if interpret else {"num_warps": min(16, max(4, _pow2(bm * bn // 512)))}
     # the interpreter truncates fp32 → bf16: write those outputs in fp32, round in torch
     staged = [(i, torch.empty_like(t, dtype=torch.float32)) for i, t in enumerate(outputs)
               if interpret and t.dtype == torch.bfloat16]
     for i, tmp in staged:
         args[len(inputs) + i] = tmp
-    kernel[grid](*args, BLOCK_M=bm, BLOCK_N=bn, **extra)
+
+    def run(config: tuple[int, int, int]) -> None:
+        bm, bn, warps = config
+        grid = (triton_cdiv(R, bm), 1 if rows_whole else triton_cdiv(N, bn))
+        extra = {} if interpret else {"num_warps": warps}
+        kernel[grid](*args, BLOCK_M=bm, BLOCK_N=bn, **extra)
+
+    if (interpret and not TUNE_IN_INTERPRETER) or os.environ.get("AUTOHYBRID_AUTOTUNE") == "0":
+        bm, bn = blocks(R, N, rows_whole, interpret)
+        run((bm, bn, _warps(bm, bn, rows_whole)))
+    else:
+        run(tuned(kernel, R, N, rows_whole, run, time_launch))
     for i, tmp in staged:
         outputs[i].copy_(tmp)
+
+
+def _warps(bm: int, bn: int, rows_whole: bool) -> int:
+    """Warps per program: by tile size; for a reduction by the row length only, so the
+    rows per program (the tuned BLOCK_M) never change how a row is summed."""
+    return min(16, max(4, _pow2((bn if rows_whole else bm * bn) // 512)))
+
+
+def configs(R: int, N: int, rows_whole: bool) -> list[tuple[int, int, int]]:
+    """The (BLOCK_M, BLOCK_N, warps) launches `tuned` times: the default of `blocks` and
+    tiles a quarter and four times its size. A reduction keeps its whole row in one tile
+    and only the rows per program vary (each row is summed the same way in all, so every
+    rank gets the same bits whichever it picks); element-wise kernels vary both."""
+    bm, bn = blocks(R, N, rows_whole, interpret=False)
+    out = [(bm, bn)]
+    if rows_whole:
+        out += [(max(1, bm // 4), bn), (min(_pow2(R), bm * 4), bn)]
+    else:
+        out += [(bm, max(16, bn // 4)), (max(1, bm // 4), bn), (min(_pow2(R), bm * 4), bn)]
+    unique = list(dict.fromkeys(out))
+    return [(m, n, _warps(m, n, rows_whole)) for m, n in unique]
+
+
+#: the launch `tuned` chose per (kernel, rows, row length) class, in this process
+_TUNED: dict[tuple, tuple[int, int, int]] = {}
+
+
+def tuned(kernel, R: int, N: int, rows_whole: bool, run, timer) -> tuple[int, int, int]:
+    """The fastest of `configs` for `kernel` at this shape class (rows and row length
+    rounded up to powers of two; a reduction's exact row length), timed once per class
+    with `timer(fn, config) -> seconds` (`fn` runs `run(config)`), then remembered (the
+    earlier config on a tie)."""
+    key = (id(kernel), _pow2(R), N if rows_whole else _pow2(N), rows_whole)
+    if key not in _TUNED:
+        timed = [(timer(lambda c=c: run(c), c), i, c)
+                 for i, c in enumerate(configs(R, N, rows_whole))]
+        _TUNED[key] = min(timed)[2]
+    return _TUNED[key]
+
+
+def _gpu_time(fn, config) -> float:
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=3, rep=10) / 1e3
+
+
+#: how `launch` times a config (seconds); tests put a stand-in here
+time_launch = _gpu_time
+#: on a GPU every launch class is tuned (AUTOHYBRID_AUTOTUNE=0: the default tiles); in
+#: the interpreter only when a test sets this
+TUNE_IN_INTERPRETER = False
 
 
 def triton_cdiv(a: int, b: int) -> int:
