@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test test-fast test-full clean
+.PHONY: demo test test-fast test-full clean chromium
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,7 +19,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python examples/demo.py
 
-test: $(STAMP)
+# The HTML report test opens the report in headless Chromium (Debian's package; a browser
+# downloaded by a test tool does not run on these machines).
+chromium:
+	@command -v chromium >/dev/null || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get install -y -q chromium >/dev/null 2>&1 || \
+	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q chromium >/dev/null; }; }
+	@chromium --version
+
+test: $(STAMP) chromium
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
 # The whole plan-space matrix (tests/_matrix.py): the CI sample plus every other valid

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from . import init, logs, models
 from .api import compile, plan
+from .bench import BenchResult, bench
 from .calibrate import Profile, calibrate
 from .cluster import Cluster
 from .errors import (AutohybridError, CaptureError, ClusterError, NoPlanFitsError,
@@ -19,8 +20,8 @@ __version__ = "0.1.0"
 logs.configure_from_env()
 
 __all__ = [
-    "AutohybridError", "CaptureError", "Cluster", "ClusterError", "Constraints", "Profile",
-    "calibrate",
+    "AutohybridError", "BenchResult", "CaptureError", "Cluster", "ClusterError", "Constraints", "Profile",
+    "bench", "calibrate",
     "NoPlanFitsError", "NotExecutableError", "Plan", "PlanError", "RankFailure",
     "RuntimeFailure", "compile", "init", "launch", "models", "plan",
 ]

@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from . import logs
 from .cluster import Cluster
 from .cost.compute import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
 from .errors import AutohybridError
@@ -183,11 +184,14 @@ def calibrate(cluster: Cluster | None = None, *, matmul_sizes: Sequence[int] = (
     """Measure this machine, per rank of `cluster` (one process per rank when local)."""
     device = "cuda" if cluster is not None and cluster.device_type == "cuda" else "cpu"
     args = (tuple(matmul_sizes), tuple(dtypes), repeats, tuple(all_reduce_sizes), device)
-    if cluster is None or cluster.world_size < 2:
-        results = [_measure(0, *args)]
-    else:
-        from .runtime.launch import launch
-        results = launch(_measure, cluster, args=args)
+    ranks = 1 if cluster is None else cluster.world_size
+    with logs.progress(None, f"calibrating on {ranks} process(es)") as bar:
+        if cluster is None or cluster.world_size < 2:
+            results = [_measure(0, *args)]
+        else:
+            from .runtime.launch import launch
+            results = launch(_measure, cluster, args=args)
+        bar.advance()
     flops = {d: min(r["flops"][d] for r in results) for d in results[0]["flops"]}
     profile = Profile(machine=f"{platform.node()} {platform.machine()} {device}",
                       matmul_flops=flops,

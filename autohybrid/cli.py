@@ -1,22 +1,42 @@
-"""`autohybrid` command line: plan a model for a cluster, calibrate this machine.
+"""`autohybrid` command line: plan, inspect, benchmark, train, calibrate.
 
     autohybrid plan gpt3-175b --cluster dgx-a100-80gb --nodes 128 --global-batch 1536
+    autohybrid plan gpt-tiny --cluster local:4 --constrain pp=2,tp=2 --report report.html
+    autohybrid inspect plan.json --rank 1 --pass tensor_parallel
+    autohybrid bench gpt-tiny --cluster local:2 --steps 5 --out bench.json --plot bench.png
+    autohybrid train gpt-tiny --cluster local:2 --steps 10      # or: train script.py -- ARGS
     autohybrid calibrate --world-size 2 --out calibration.json
 
-MODEL is a zoo preset (`autohybrid plan --list-models`) or `path/file.py:factory`.
-Exit status: 0 a plan was found, 2 no plan fits (the numbers are printed) or bad input.
+MODEL is a zoo preset (`autohybrid plan --list-models`) or `path/file.py:factory`, with
+arguments after `?` (`gpt-tiny?layers=2&seq=32`: models/spec.py). Every command takes
+`--json` (machine-readable output on stdout; the human-readable tables otherwise).
+Exit status: 0 done, 2 bad input or no plan fits (the reason is printed), 1 a run failed.
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 EXIT_NO_PLAN = 2
+EXIT_FAILED = 1
+
+
+def _add_planning(p: argparse.ArgumentParser, cluster_default: str) -> None:
+    p.add_argument("--cluster", default=cluster_default,
+                   help="cluster preset (dgx-a100-80gb, dgx-h100, ...), FILE.json or local:N "
+                        f"(default {cluster_default})")
+    p.add_argument("--nodes", type=int, default=None, help="number of nodes of a preset")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="samples per optimizer step (default: the example batch, 8)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length of token inputs")
+    p.add_argument("--constrain", default="",
+                   help="pin choices, e.g. tp=2,pp=2,zero=1 (ah.Constraints fields)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,20 +51,57 @@ def _parser() -> argparse.ArgumentParser:
                     "predicted step time that fits in memory, and print it. Exit status 2 "
                     "when no plan fits (the memory figures are printed).")
     plan.add_argument("model", nargs="?", help="zoo preset (e.g. gpt3-175b) or path/file.py:factory")
-    plan.add_argument("--cluster", default="local:1",
-                      help="cluster preset (dgx-a100-80gb, dgx-h100, ...), FILE.json or local:N")
-    plan.add_argument("--nodes", type=int, default=None, help="number of nodes of a preset")
-    plan.add_argument("--global-batch", type=int, default=None,
-                      help="samples per optimizer step (default: the example batch, 8)")
-    plan.add_argument("--seq", type=int, default=None, help="sequence length of token inputs")
+    _add_planning(plan, "local:1")
     plan.add_argument("--dtype", default="bfloat16", help="training dtype (default bfloat16)")
-    plan.add_argument("--constrain", default="",
-                      help="pin choices, e.g. zero=1,num_microbatches=4 (ah.Constraints fields)")
     plan.add_argument("--out", default=None, help="write the plan JSON to this file")
-    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--report", default=None, help="write the HTML report to this file")
+    plan.add_argument("--trace", default=None, metavar="FILE",
+                      help="write the predicted per-rank timeline as Chrome trace / Perfetto "
+                           "JSON (opens in chrome://tracing and ui.perfetto.dev)")
+    plan.add_argument("--plots", default=None, metavar="DIR",
+                      help="write timeline.png and memory.png (matplotlib) to DIR")
     plan.add_argument("--list-models", action="store_true", help="list the zoo presets and exit")
     plan.add_argument("--calibration", default=None,
                       help="a profile from `autohybrid calibrate` (price with measured figures)")
+    inspect = sub.add_parser(
+        "inspect", help="show a saved plan: mesh, stages, shards and each pass's graph",
+        description="Rebuild the model a plan was made for (the plan records it) on the "
+                    "meta device and run every pass for one rank without starting processes: "
+                    "print the plan, where each rank runs, the stage and shard assignment and "
+                    "the rank's graph after each pass.")
+    inspect.add_argument("plan_file", help="a plan JSON from `autohybrid plan --out`")
+    inspect.add_argument("--rank", type=int, default=0, help="which rank's program (default 0)")
+    inspect.add_argument("--pass", dest="show_pass", default=None, metavar="NAME",
+                         help="print the code of the graph after this pass ('capture': as "
+                              "captured; 'all': after every pass)")
+    inspect.add_argument("--dot", default=None, metavar="DIR",
+                         help="write Graphviz DOT files of the rank's graphs to DIR")
+    inspect.add_argument("--report", default=None, help="write the HTML report to this file")
+    inspect.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    bench = sub.add_parser(
+        "bench", help="compiled vs eager vs hand-written PyTorch of the same layout",
+        description="Train MODEL on a local cluster with the compiled plan, in eager PyTorch "
+                    "on one process, and with PyTorch's own implementation of the plan's "
+                    "layout (DDP / FSDP2 / DTensor / pipelining; n/a where PyTorch has none); "
+                    "report step times (median and spread), throughput, peak memory, exposed "
+                    "communication, the prediction and a loss check against eager.")
+    bench.add_argument("model", help="zoo preset or path/file.py:factory")
+    _add_planning(bench, "local:2")
+    bench.add_argument("--steps", type=int, default=5, help="measured steps (default 5)")
+    bench.add_argument("--warmup", type=int, default=2, help="warm-up steps (default 2)")
+    bench.add_argument("--plan", default=None, help="a plan JSON to run (default: search)")
+    bench.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"))
+    bench.add_argument("--lr", type=float, default=None,
+                       help="learning rate (default 0.01 for sgd, 1e-3 for adamw)")
+    bench.add_argument("--no-baselines", action="store_true",
+                       help="skip the hand-written PyTorch baseline")
+    bench.add_argument("--out", default=None, help="write the results JSON to this file")
+    bench.add_argument("--plot", default=None, help="write a plot (.png/.svg) of the results")
+    bench.add_argument("--report", default=None, help="write the HTML report with the results")
+    bench.add_argument("--trace", default=None, metavar="FILE",
+                       help="write the measured and predicted timelines as Chrome trace JSON")
+    bench.add_argument("--plots", default=None, metavar="DIR",
+                       help="write timeline.png (measured beside predicted) and memory.png")
     calib = sub.add_parser(
         "calibrate", help="measure this machine (matmul, element-wise, collectives)",
         description="Time matmuls, a large element-wise add and all-reduces of several sizes "
@@ -53,27 +110,28 @@ def _parser() -> argparse.ArgumentParser:
     calib.add_argument("--world-size", type=int, default=2, help="local processes (default 2)")
     calib.add_argument("--out", default="calibration.json", help="profile file to write")
     calib.add_argument("--json", action="store_true", help="print the profile as JSON")
+    train = sub.add_parser(
+        "train", help="train a MODEL with its plan, or launch a script on local processes",
+        description="MODEL: compile it for the local cluster (searching a plan, or --plan) "
+                    "and train --steps steps on generated batches, printing the losses. "
+                    "SCRIPT.py: run it on --cluster local:N processes with torchrun "
+                    "(torch.distributed.run --standalone); arguments after `--` go to it: "
+                    "autohybrid train job.py --cluster local:4 -- --epochs 2")
+    train.add_argument("target", help="zoo preset, path/file.py:factory, or a script.py")
+    _add_planning(train, "local:2")
+    train.add_argument("--steps", type=int, default=5, help="optimizer steps (default 5)")
+    train.add_argument("--plan", default=None, help="a plan JSON to run (default: search)")
+    train.add_argument("--optimizer", default="adamw", choices=("sgd", "adamw"))
+    train.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    train.add_argument("--save", default=None, help="save the trained full state dict here")
     return parser
 
 
-def load_model(spec: str, device: str = "meta"):
-    """A zoo preset name or `path/file.py:factory` → (model, example inputs)."""
-    from . import models
+def _spec(text: str, seq: int | None = None, batch: int | None = None):
+    """A MODEL string → ModelSpec, with --seq applied (models/spec.py)."""
+    from .models import spec
 
-    if ":" in spec and spec.split(":")[0].endswith(".py"):
-        path, factory = spec.rsplit(":", 1)
-        module_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
-        if module_spec is None or not Path(path).exists():
-            raise SystemExit(f"autohybrid: cannot load {path!r}: no such file")
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-        result = getattr(module, factory)()
-        if not isinstance(result, tuple) or len(result) != 2:
-            raise SystemExit(f"autohybrid: {spec} must return (model, example_inputs)")
-        return result
-    model = models.preset(spec, device=device)
-    inputs, _ = models.example_batch(model, batch=8, device=device)
-    return model, inputs
+    return spec.parse(text).with_inputs(seq=seq)
 
 
 def _constraints(text: str):
@@ -99,13 +157,44 @@ def _constraints(text: str):
         raise SystemExit(f"autohybrid: --constrain: {exc}") from None
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    import torch
+def _console():
+    """rich's console for the tables (stdout; plain text when it is not a terminal)."""
+    from rich.console import Console
 
+    return Console(width=None if sys.stdout.isatty() else 120, soft_wrap=False,
+                   highlight=False)
+
+
+def _with_progress(args: argparse.Namespace):
+    """Install rich progress bars (on stderr) unless --json asks for quiet stdout."""
+    from . import logs
+    from .report.terminal import rich_progress_factory
+
+    if not getattr(args, "json", False) and sys.stderr.isatty():
+        from rich.console import Console
+
+        logs.set_progress_factory(rich_progress_factory(Console(stderr=True)))
+
+
+def _fail(command: str, exc: BaseException) -> int:
+    print(f"autohybrid {command}: {exc}", file=sys.stderr)
+    return EXIT_NO_PLAN
+
+
+def _write_report(path: str, plan, *, measured=None, bench=None, program=None) -> None:
+    """The HTML report of `plan`; its graph is rank 0's program (every stage's graph),
+    rebuilt from `plan.model_ref` unless given."""
+    from .report.html import write_report
+
+    write_report(path, plan, programs=program, measured=measured, bench=bench)
+    print(f"wrote {path}", file=sys.stderr)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
     from . import api, models
     from .cluster import Cluster
     from .errors import AutohybridError, NoPlanFitsError
-    from .report.text import format_plan
+    from .report.terminal import print_plan
 
     if args.list_models:
         print("\n".join(sorted(models.PRESETS)))
@@ -113,33 +202,310 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if not args.model:
         print("autohybrid plan: give a MODEL (see --list-models)", file=sys.stderr)
         return EXIT_NO_PLAN
+    _with_progress(args)
     start = time.perf_counter()
     try:
         cluster = Cluster.parse(args.cluster, nodes=args.nodes)
-        model, inputs = load_model(args.model)
-        if args.seq is not None:
-            inputs = tuple(t[:, : args.seq] if t.dim() >= 2 else t for t in inputs)
-        plan = api.plan(model, cluster, inputs, global_batch=args.global_batch,
+        spec = _spec(args.model, args.seq)
+        work = spec.build(device="meta")
+        plan = api.plan(work.model, cluster, work.inputs, global_batch=args.global_batch,
                         dtype=args.dtype, constraints=_constraints(args.constrain),
-                        model_ref=args.model, calibration=args.calibration)
+                        model_ref=spec.ref, calibration=args.calibration)
     except NoPlanFitsError as exc:
         print(f"no plan fits: {exc}", file=sys.stderr)
         if args.json:
             print(json.dumps({"fits": False, "reason": str(exc)}))
         return EXIT_NO_PLAN
-    except (AutohybridError, ValueError) as exc:
-        print(f"autohybrid plan: {exc}", file=sys.stderr)
-        return EXIT_NO_PLAN
+    except (AutohybridError, ValueError, OSError) as exc:
+        return _fail("plan", exc)
     elapsed = time.perf_counter() - start
     if args.out:
         plan.to_json(args.out)
     if args.json:
         print(plan.to_json(), end="")  # the JSON text ends in a newline already
     else:
-        print(format_plan(plan))
+        print_plan(plan, _console())
         print(f"(planned in {elapsed:.1f} s)")
-    del torch
+    try:
+        _write_files(args, plan)
+    except (AutohybridError, ValueError, OSError) as exc:
+        return _fail("plan", exc)
     return 0
+
+
+def _write_files(args: argparse.Namespace, plan, measured=None, bench=None) -> None:
+    """--report, --trace and --plots of `plan` (with the measured run, if any)."""
+    from .report.timeline import predicted_timeline, write_chrome_trace
+
+    if getattr(args, "report", None):
+        _write_report(args.report, plan, measured=measured, bench=bench)
+    predicted = predicted_timeline(plan)
+    if getattr(args, "trace", None):
+        timelines = (measured, predicted) if measured is not None else (predicted,)
+        write_chrome_trace(args.trace, *timelines)
+        print(f"wrote {args.trace}", file=sys.stderr)
+    if getattr(args, "plots", None):
+        from .report.plots import plot_memory, plot_timeline
+
+        folder = Path(args.plots)
+        folder.mkdir(parents=True, exist_ok=True)
+        others = (measured,) if measured is not None else ()
+        written = [plot_timeline(predicted, folder / "timeline.png", others=others),
+                   plot_memory(plan, folder / "memory.png")]
+        print("wrote " + ", ".join(map(str, written)), file=sys.stderr)
+
+
+def inspect_data(plan, rank: int, show_pass: str | None = None) -> tuple[dict[str, Any], Any]:
+    """What `inspect` shows, as JSON-able data, and the rank's program."""
+    from .report.program import rank_program
+
+    program = rank_program(plan, rank)
+    placement = next(p for p in plan.placement if p.rank == rank)
+    mesh = plan.mesh
+    stage_ranks = plan.stage_ranks()
+    starts = ("(first layer)",) + tuple(plan.stage_boundaries)
+    stages = [{"stage": i, "pp_rank": stage_ranks[i], "starts_at": starts[i],
+               "ranks": [r for r in range(plan.world_size)
+                         if mesh.coords(r)[0] == stage_ranks[i]]}
+              for i in range(plan.num_stages)] if mesh.pp > 1 else []
+    mine = program.params()
+    shards = {name: {"dim": spec.dim, "size": spec.size, "shard": spec.index,
+                     "of": spec.ways, "local_size": spec.shard_size}
+              for name, spec in sorted(program.notes.get("param_shards", {}).items())
+              if name in mine}
+    passes = []
+    previous = {"train": program.captured.gm}
+    for name, snapshot in program.passes:
+        graphs = program.mine(snapshot)
+        created = sum(1 for gm in graphs.values() for node in gm.graph.nodes
+                      if node.meta.get("ah_pass") == name)
+        codes = {kind: gm.code for kind, gm in graphs.items()}
+        entry = {"pass": name, "graphs": {kind: len(gm.graph.nodes) for kind, gm in graphs.items()},
+                 "nodes": sum(len(gm.graph.nodes) for gm in graphs.values()),
+                 "changed": codes != {kind: gm.code for kind, gm in previous.items()},
+                 "nodes_created": created}
+        if show_pass in (name, "all"):
+            entry["code"] = codes
+        passes.append(entry)
+        previous = graphs
+    data = {
+        "plan": plan.to_dict(), "summary": plan.summary(), "rank": rank,
+        "coords": dict(zip(("pp", "dp", "tp"), program.coords)),
+        "node": placement.node, "device": placement.device,
+        "placement": [{"rank": p.rank, "node": p.node, "device": p.device,
+                       "coords": dict(zip(("pp", "dp", "tp"), mesh.coords(p.rank)))}
+                      for p in plan.placement],
+        "stages": stages, "rank_stages": sorted(program.graphs()), "shards": shards,
+        "captured_nodes": len(program.captured.gm.graph.nodes), "passes": passes,
+        "autohybrid_ops": program.collectives(),
+        "graphs": {k: len(g.graph.nodes) for k, g in program.graphs().items()},
+    }
+    if show_pass == "capture":
+        data["capture_code"] = program.captured.gm.code
+    if show_pass and show_pass not in ("capture", "all") and \
+            show_pass not in [p["pass"] for p in passes]:
+        raise ValueError(f"--pass {show_pass!r}: the passes are "
+                         f"{', '.join(p['pass'] for p in passes)} (or 'capture', 'all')")
+    return data, program
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .errors import AutohybridError
+    from .plan import Plan
+
+    try:
+        plan = Plan.from_json(args.plan_file)
+        data, program = inspect_data(plan, args.rank, args.show_pass)
+        if args.dot:
+            from .report.graphview import write_dot
+
+            folder = Path(args.dot)
+            folder.mkdir(parents=True, exist_ok=True)
+            data["dot"] = [str(write_dot(folder / f"rank{args.rank}_{kind}.dot", gm))
+                           for kind, gm in program.graphs().items()]
+        if args.report:
+            _write_report(args.report, plan, program=program if args.rank == 0 else None)
+    except (AutohybridError, ValueError, OSError) as exc:
+        return _fail("inspect", exc)
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        _print_inspect(plan, data, _console())
+    return 0
+
+
+def _print_inspect(plan, data: dict[str, Any], console) -> None:
+    """inspect's tables: the plan, where ranks run, stages, shards, the passes."""
+    from rich.table import Table
+
+    from .report.terminal import print_plan
+
+    print_plan(plan, console)
+    coords = data["coords"]
+    console.print(f"rank {data['rank']}: (pp, dp, tp) = ({coords['pp']}, {coords['dp']}, "
+                  f"{coords['tp']}) on node {data['node']}, device {data['device']}; runs "
+                  f"{', '.join(data['rank_stages'])}")
+    where = Table(title="ranks", title_justify="left")
+    for column in ("rank", "node", "device", "pp", "dp", "tp"):
+        where.add_column(column, justify="right")
+    for p in data["placement"]:
+        where.add_row(*(str(x) for x in (p["rank"], p["node"], p["device"], *p["coords"].values())))
+    console.print(where)
+    if data["stages"]:
+        stages = Table(title="pipeline stages", title_justify="left")
+        for column in ("stage", "pp rank", "starts at", "ranks"):
+            stages.add_column(column)
+        for st in data["stages"]:
+            stages.add_row(str(st["stage"]), str(st["pp_rank"]), st["starts_at"],
+                           ", ".join(map(str, st["ranks"])))
+        console.print(stages)
+    if data["shards"]:
+        shards = Table(title=f"tensor-parallel shards on rank {data['rank']}",
+                       title_justify="left")
+        for column in ("parameter", "dim", "full", "shard", "local"):
+            shards.add_column(column)
+        for name, sh in data["shards"].items():
+            shards.add_row(name, str(sh["dim"]), str(sh["size"]), f"{sh['shard']}/{sh['of']}",
+                           str(sh["local_size"]))
+        console.print(shards)
+    passes = Table(title=f"rank {data['rank']}'s graph after each pass "
+                         f"(captured: {data['captured_nodes']} nodes)", title_justify="left")
+    for column in ("pass", "graphs (nodes)", "changed", "nodes it created"):
+        passes.add_column(column)
+    for p in data["passes"]:
+        passes.add_row(p["pass"], ", ".join(f"{k} {v}" for k, v in p["graphs"].items()),
+                       "yes" if p["changed"] else "-", str(p["nodes_created"] or "-"))
+    console.print(passes)
+    ops = ", ".join(f"{k} {v}" for k, v in data["autohybrid_ops"].items()) or "none"
+    console.print(f"autohybrid ops in this rank's graphs: {ops}")
+    for p in data["passes"]:
+        for kind, code in p.get("code", {}).items():
+            print(f"\n# {kind} after pass {p['pass']}\n{code}")
+    if "capture_code" in data:
+        print(f"\n# graph as captured\n{data['capture_code']}")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import bench
+    from .cluster import Cluster
+    from .errors import AutohybridError
+    from .plan import Plan
+    from .report.terminal import print_bench
+
+    _with_progress(args)
+    try:
+        cluster = Cluster.parse(args.cluster, nodes=args.nodes)
+        spec = _spec(args.model, args.seq)
+        plan = Plan.from_json(args.plan) if args.plan else None
+        result = bench(spec.ref, cluster, global_batch=args.global_batch, steps=args.steps,
+                       warmup=args.warmup, plan=plan,
+                       constraints=_constraints(args.constrain) if args.constrain else None,
+                       optimizer=args.optimizer, lr=args.lr, baselines=not args.no_baselines,
+                       json_path=args.out, plot_path=args.plot)
+    except (AutohybridError, ValueError, OSError) as exc:
+        return _fail("bench", exc)
+    try:
+        from .report.timeline import Timeline
+
+        measured = (Timeline.from_dict(result.measured_timeline)
+                    if result.measured_timeline else None)
+        _write_files(args, Plan.from_dict(result.full_plan), measured=measured,
+                     bench=result.to_dict())
+    except (AutohybridError, ValueError, OSError) as exc:
+        return _fail("bench", exc)
+    if args.json:
+        print(result.to_json(), end="")
+    else:
+        print_bench(result.to_dict(), _console())
+    return 0 if result.to_dict()["loss_check"]["ok"] else EXIT_FAILED
+
+
+def _train_rank(rank: int, ref: str, world: int, steps: int, plan_json: str | None,
+                constraints: Any, global_batch: int | None, optimizer: str, lr: float,
+                save: str | None) -> dict[str, Any]:
+    """One rank of `autohybrid train MODEL`: compile, train `steps` steps, report."""
+    import torch
+
+    from . import api
+    from .cluster import Cluster
+    from .models import spec as model_spec
+    from .plan import Plan
+
+    work = model_spec.parse(ref).build(device="cpu", seed=0)
+    batch = global_batch or work.spec.batch
+    batches = work.batches(steps, batch=batch, seed=1)
+    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=lr),
+            "adamw": lambda ps: torch.optim.AdamW(ps, lr=lr)}[optimizer]
+    inputs, targets = batches[0]
+    compiled = api.compile(work.model, Cluster.local(world), inputs, loss_fn=work.loss_fn,
+                           example_targets=targets, optimizer=make,
+                           plan=Plan.from_json(plan_json) if plan_json else None,
+                           constraints=constraints, global_batch=batch)
+    losses, times = [], []
+    for inputs, targets in batches:
+        start = time.perf_counter()
+        losses.append(float(compiled.train_step(inputs, targets)))
+        times.append(time.perf_counter() - start)
+    state = compiled.full_state_dict()  # every rank takes part in the gather
+    if rank == 0 and save:
+        torch.save(state, save)
+    return {"losses": losses, "step_s": times, "plan": compiled.plan.to_dict(),
+            "summary": compiled.plan.summary()}
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .cluster import Cluster
+    from .errors import AutohybridError
+    from .runtime.launch import launch
+
+    target = args.target
+    if target.endswith(".py") and ":" not in target:
+        return _train_script(args)
+    try:
+        cluster = Cluster.parse(args.cluster, nodes=args.nodes)
+        if cluster.nodes != 1 or not args.cluster.startswith("local:"):
+            raise ValueError(f"train runs on this machine: give --cluster local:N, not "
+                             f"{args.cluster!r} (on a real cluster, run your script under "
+                             "torchrun with ah.Cluster.from_env())")
+        if args.steps < 1:
+            raise ValueError(f"--steps must be at least 1, got {args.steps}")
+        spec = _spec(target, args.seq)
+        constraints = _constraints(args.constrain) if args.constrain else None
+        results = launch(_train_rank, cluster, args=(
+            spec.ref, cluster.world_size, args.steps, args.plan, constraints,
+            args.global_batch, args.optimizer, args.lr, args.save))
+    except (AutohybridError, ValueError, OSError) as exc:
+        return _fail("train", exc)
+    first = results[0]
+    agree = all(r["losses"] == first["losses"] for r in results)
+    out = {"model": spec.ref, "cluster": args.cluster, "plan": first["plan"],
+           "losses": first["losses"], "step_s": first["step_s"], "ranks_agree": agree,
+           "saved": args.save}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"trained {spec.ref} on {args.cluster} with plan {first['summary']}")
+        for step, (loss, s) in enumerate(zip(first["losses"], first["step_s"])):
+            print(f"  step {step:>3}  loss {loss:.6f}  {s * 1e3:8.1f} ms")
+        print(f"all {len(results)} ranks report the same losses: {agree}"
+              + (f"; saved the full state dict to {args.save}" if args.save else ""))
+    return 0 if agree else EXIT_FAILED
+
+
+def _train_script(args: argparse.Namespace) -> int:
+    """`train script.py`: torchrun --standalone --nproc-per-node N script.py ARGS."""
+    if not Path(args.target).is_file():
+        print(f"autohybrid train: no such script {args.target!r}", file=sys.stderr)
+        return EXIT_NO_PLAN
+    cluster = args.cluster
+    if not cluster.startswith("local:") or not cluster[6:].isdigit() or int(cluster[6:]) < 1:
+        print(f"autohybrid train: a script runs on --cluster local:N, got {cluster!r}",
+              file=sys.stderr)
+        return EXIT_NO_PLAN
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={cluster[6:]}", args.target, *args.script_args]
+    print("+ " + " ".join(command), file=sys.stderr)
+    return subprocess.call(command)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -147,6 +513,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from .cluster import Cluster
     from .errors import AutohybridError
 
+    _with_progress(args)
     try:
         profile = calibrate(Cluster.local(args.world_size) if args.world_size > 1 else None)
     except AutohybridError as exc:
@@ -168,11 +535,23 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra: list[str] = []
+    if "--" in argv:  # what follows goes to a script run by `train`
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)
+    args.script_args = extra
     if args.command == "plan":
         return cmd_plan(args)
     if args.command == "calibrate":
         return cmd_calibrate(args)
+    if args.command == "inspect":
+        return cmd_inspect(args)
+    if args.command == "bench":
+        return cmd_bench(args)
+    if args.command == "train":
+        return cmd_train(args)
     parser.print_help()
     return 0
 

@@ -101,6 +101,15 @@ class Prediction:
     memory_per_rank_bytes: int = 0
     device_memory_bytes: int = 0
     memory: MemoryBreakdown = field(default_factory=MemoryBreakdown)
+    #: bytes on each pp coordinate (its dp and tp ranks hold the same); `memory` is the
+    #: most loaded of them
+    memory_per_pp_rank: tuple[MemoryBreakdown, ...] = ()
+
+    def memory_of_rank(self, plan: "Plan", rank: int) -> MemoryBreakdown:
+        """Predicted bytes on mesh rank `rank` of `plan`."""
+        if not self.memory_per_pp_rank:
+            return self.memory
+        return self.memory_per_pp_rank[plan.mesh.coords(rank)[0]]
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ batches with the same SGD optimizer:
 - autohybrid: `ah.compile(..., constraints=ah.Constraints(tp=world, sp=False))`, then
   `compiled.train_step(tokens, targets)`;
 - DTensor: `parallelize_module` on a 1-D device mesh of the same ranks with Megatron's
-  layout, as close to autohybrid's as DTensor expresses it (see `parallelize_dtensor`):
+  layout, as close to autohybrid's as DTensor expresses it (`parallelize_dtensor` in
+  autohybrid/baselines.py):
   ColwiseParallel for `attn.qkv` and `mlp.fc`, RowwiseParallel for `attn.proj` and
   `mlp.proj`, a vocabulary-parallel tied embedding (RowwiseParallel with replicated
   input ids) and LM head (ColwiseParallel with Shard(-1) logits) with `loss_parallel()`;
@@ -27,7 +28,8 @@ microbatches:
 - pipeline(): hand-written torch.distributed.pipelining, `pipeline(model, mb_args=...,
   split_spec={"blocks.K": SplitPoint.BEGINNING})` with equal runs of blocks,
   `pipe.build_stage(rank, device)`, `Schedule1F1B(stage, m, loss_fn=...)`,
-  `schedule.step(...)` and SGD over the stage's parameters (see `HandPipeline`).
+  `schedule.step(...)` and SGD over the stage's parameters (see `HandPipeline` in
+  autohybrid/baselines.py).
 
 Both run the same stages on the same microbatches, so the ratio is the runtime's own
 overhead; a barrier before each pp step keeps the ranks' step times aligned.
@@ -35,7 +37,8 @@ overhead; a barrier before each pp step keeps the ranks' step times aligned.
 The dp layout (the `CONFIGS` models, tied head) trains on dp = world ranks with AdamW,
 one microbatch per rank per step (DDP's unit of work), 25 MB buckets on both sides; each
 autohybrid ZeRO stage, `ah.Constraints(dp=world, tp=1, pp=1, zero=k,
-num_microbatches=1, bucket_mb=25)`, against torch's counterpart (see `torch_dp`):
+num_microbatches=1, bucket_mb=25)`, against torch's counterpart (`torch_dp` in
+autohybrid/baselines.py):
 
     zero 0   DDP                                        all-reduce of gradient buckets
     zero 1   DDP + ZeroRedundancyOptimizer(AdamW)       torch's ZeRO-1: optimizer state
@@ -74,8 +77,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import autohybrid as ah
-from pipeline_balance import (HandPipeline, batches, build,  # the same model and data,
-                              equal_boundaries)  # and pipeline() as users write it
+from autohybrid.baselines import (DP_BASELINES, BUCKET_MB, DTensorTP,  # torch's own layouts
+                                  HandPipeline, Optim, TorchDataParallel, equal_boundaries)
+from pipeline_balance import batches, build  # the same model and data
 
 #: name, gpt kwargs, global batch (the tp and dp layouts)
 CONFIGS = [
@@ -89,137 +93,25 @@ PP_CONFIGS = [
 ]
 LR = 0.05
 ADAMW_LR = 1e-3
-BUCKET_MB = 25  # DDP's default bucket_cap_mb, pinned for autohybrid too
-#: ZeRO stage → torch's counterpart (built by `torch_dp`)
-DP_BASELINES = {0: "DDP", 1: "DDP+ZeroRedundancyOpt", 2: "FSDP2 no reshard", 3: "FSDP2"}
 LAYOUTS = ("tp", "pp", "dp")
+SGD = Optim(torch.optim.SGD, {"lr": LR})
+ADAMW = Optim(torch.optim.AdamW, {"lr": ADAMW_LR})
 
 
 def loss_fn(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def sgd(params):
-    return torch.optim.SGD(params, lr=LR)
-
-
-def adamw(params):
-    return torch.optim.AdamW(params, lr=ADAMW_LR)
-
-
-# ------------------------------------------------------------------ DTensor side
-def _qkv_rows_by_rank(hidden: int, tp: int) -> torch.Tensor:
-    """Row order of a fused qkv weight whose contiguous Shard(0) chunk r holds q, k, v of
-    rank r's heads — autohybrid's ShardSpec(chunks=3) layout. ColwiseParallel shards the
-    fused rows contiguously, which would give rank 0 all of q and half of k."""
-    part = hidden // tp
-    order = [c * hidden + r * part + i for r in range(tp) for c in range(3) for i in range(part)]
-    return torch.tensor(order)
-
-
-def parallelize_dtensor(model: torch.nn.Module, mesh) -> None:
-    """Megatron tp with DTensor; the math equals the unsplit model's.
-
-    - attn.qkv, mlp.fc: ColwiseParallel (weight and bias Shard(0), input Replicate, local
-      output). The fused qkv rows are first permuted so that rank r's contiguous shard is
-      [q_r, k_r, v_r] (a re-parametrization: same function, and SGD commutes with it);
-      each attention then sees its local heads (heads //= tp, hidden //= tp, as
-      torchtitan does), so the model's view (b, t, 3, heads, head_dim) stays unchanged.
-    - attn.proj, mlp.proj: RowwiseParallel (weight Shard(1), bias Replicate, all-reduce
-      of the partial output, local output).
-    - tok_emb: RowwiseParallel(input_layouts=Replicate()) — weight Shard(0) over the
-      vocabulary (masked lookup, all-reduce): the vocabulary-parallel embedding.
-    - lm_head: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False) — weight
-      Shard(0) over the vocabulary, logits split over the vocabulary for
-      `loss_parallel()`'s cross-entropy (never gathered). The head is tied to tok_emb:
-      parallelize_module gives each module a new DTensor parameter, so the tie is
-      restored afterwards (both are Shard(0) on the same mesh, the same local shard).
-    - pos_emb, LayerNorms: replicated plain tensors (as autohybrid keeps them).
-    """
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
-
-    tp = mesh.size()
-    with torch.no_grad():
-        for block in model.blocks:
-            attn = block.attn
-            order = _qkv_rows_by_rank(attn.hidden, tp)
-            attn.qkv.weight.copy_(attn.qkv.weight[order])
-            attn.qkv.bias.copy_(attn.qkv.bias[order])
-    plan = {"tok_emb": RowwiseParallel(input_layouts=Replicate()),
-            "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}
-    for i, block in enumerate(model.blocks):
-        plan.update({f"blocks.{i}.attn.qkv": ColwiseParallel(),
-                     f"blocks.{i}.attn.proj": RowwiseParallel(),
-                     f"blocks.{i}.mlp.fc": ColwiseParallel(),
-                     f"blocks.{i}.mlp.proj": RowwiseParallel()})
-        block.attn.heads //= tp
-        block.attn.hidden //= tp
-    parallelize_module(model, mesh, plan)
-    model.lm_head.weight = model.tok_emb.weight  # re-tie
-
-
-def dtensor_step(model, optimizer, tokens, targets) -> torch.Tensor:
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    optimizer.zero_grad(set_to_none=True)
-    logits = model(tokens)
-    with loss_parallel():
-        loss = loss_fn(logits, targets)
-        loss.backward()
-    optimizer.step()
-    return loss.to_local().detach()
-
-
+# ------------------------------------------------------------------ eager
+# (the baselines live in autohybrid/baselines.py (DTensorTP: parallelize_module with Megatron's
+# layout; TorchDataParallel: DDP / DDP + ZeroRedundancyOptimizer / FSDP2 per ZeRO stage;
+# HandPipeline: pipeline() + Schedule1F1B), where `ah.bench` uses them too)
 def eager_step(model, optimizer, tokens, targets) -> torch.Tensor:
     optimizer.zero_grad(set_to_none=True)
     loss = loss_fn(model(tokens), targets)
     loss.backward()
     optimizer.step()
     return loss.detach()
-
-
-# ------------------------------------------------------------------ torch's dp side
-def torch_dp(stage: int, model: torch.nn.Module
-             ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """torch's counterpart of ZeRO `stage` for `model`, as users write it: (module, AdamW)."""
-    if stage < 2:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        from torch.nn.parallel import DistributedDataParallel
-
-        ddp = DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB)
-        if stage == 0:
-            return ddp, adamw(ddp.parameters())
-        return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
-                                            lr=ADAMW_LR)
-    from torch.distributed.fsdp import fully_shard
-
-    # FSDP2's default (None) reshards the blocks after forward, not the root (whose
-    # parameters backward needs first); False keeps every gathered block until backward
-    reshard = None if stage == 3 else False
-    for block in model.blocks:
-        fully_shard(block, reshard_after_forward=reshard)
-    fully_shard(model, reshard_after_forward=reshard)
-    return model, adamw(model.parameters())
-
-
-class TorchDataParallel:
-    """One AdamW step of torch's dp counterpart of ZeRO `stage` on this rank's slice."""
-
-    def __init__(self, stage: int, model: torch.nn.Module, rank: int, world: int):
-        self.model, self.optimizer = torch_dp(stage, model)
-        self.rank, self.world = rank, world
-
-    def step(self, tokens, targets) -> torch.Tensor:
-        tokens, targets = tokens.chunk(self.world)[self.rank], targets.chunk(self.world)[self.rank]
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(self.model(tokens), targets)
-        loss.backward()
-        self.optimizer.step()
-        loss = loss.detach().clone()
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # equal slices: the global batch's mean
-        return loss
 
 
 # ------------------------------------------------------------------ one rank
@@ -247,7 +139,7 @@ def _pair(runs: dict, ah_key: str, dt_key: str, warmup: int) -> dict:
             "ah_loss": ah_run["loss"], "dt_loss": dt_run["loss"]}
 
 
-def _eager_run(config: dict, data, optimizer=sgd) -> tuple[list[float], list[float]]:
+def _eager_run(config: dict, data, optimizer=SGD) -> tuple[list[float], list[float]]:
     """Step times and losses of the same model trained eagerly in one process."""
     model = build(config)
     opt = optimizer(model.parameters())
@@ -259,27 +151,22 @@ def _eager_run(config: dict, data, optimizer=sgd) -> tuple[list[float], list[flo
     return times, losses
 
 
-def _with_eager(rank: int, out: dict, config: dict, data, warmup: int, optimizer=sgd) -> dict:
+def _with_eager(rank: int, out: dict, config: dict, data, warmup: int, optimizer=SGD) -> dict:
     times, losses = _eager_run(config, data, optimizer) if rank == 0 else ([], [])
     dist.barrier()
     return {**out, "eager": times[warmup:], "eager_loss": losses}
 
 
 def run_rank(rank: int, world: int, config: dict, batch: int, steps: int, warmup: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
-
     data = batches(config, batch, warmup + steps)
     tokens0, targets0 = data[0]
 
     compiled = ah.compile(build(config), ah.Cluster.local(world), (tokens0,), loss_fn=loss_fn,
-                          example_targets=targets0, optimizer=sgd,
+                          example_targets=targets0, optimizer=SGD,
                           constraints=ah.Constraints(tp=world, sp=False))
-    dt_model = build(config)
-    parallelize_dtensor(dt_model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
-    dt_opt = sgd(dt_model.parameters())
+    dtensor = DTensorTP(build(config), loss_fn, SGD)
     # warm-up first (autohybrid captures its train graph)
-    runs = _alternate({"ah": compiled.train_step,
-                       "dt": lambda x, y: dtensor_step(dt_model, dt_opt, x, y)}, data, False)
+    runs = _alternate({"ah": compiled.train_step, "dt": dtensor.step}, data, False)
     out = {**_pair(runs, "ah", "dt", warmup),
            "ah_split": sorted(compiled.notes["train"]["param_shards"]),
            "mesh": compiled.plan.mesh.describe()}
@@ -293,11 +180,11 @@ def run_pp_rank(rank: int, world: int, config: dict, batch: int, steps: int,
     tokens0, targets0 = data[0]
     m, boundaries = 2 * world, equal_boundaries(config["layers"], world)
     compiled = ah.compile(build(config), ah.Cluster.local(world), (tokens0,), loss_fn=loss_fn,
-                          example_targets=targets0, optimizer=sgd,
+                          example_targets=targets0, optimizer=SGD,
                           constraints=ah.Constraints(pp=world, dp=1, tp=1, schedule="1f1b",
                                                      num_microbatches=m,
                                                      stage_boundaries=boundaries))
-    hand = HandPipeline(build(config), boundaries, rank, world, m, tokens0, optimizer=sgd)
+    hand = HandPipeline(build(config), boundaries, rank, world, m, tokens0, loss_fn, SGD)
     runs = _alternate({"ah": compiled.train_step, "dt": hand.step}, data, True)
     plan = compiled.plan
     out = {**_pair(runs, "ah", "dt", warmup), "boundaries": plan.stage_boundaries,
@@ -315,16 +202,17 @@ def run_dp_rank(rank: int, world: int, config: dict, batch: int, steps: int, war
     for stage in stages:
         compiled = ah.compile(
             build(config), ah.Cluster.local(world), (tokens0,), loss_fn=loss_fn,
-            example_targets=targets0, optimizer=adamw,
+            example_targets=targets0, optimizer=ADAMW,
             constraints=ah.Constraints(dp=world, tp=1, pp=1, zero=stage, num_microbatches=1,
                                        bucket_mb=BUCKET_MB))
         plans[stage] = compiled.plan.summary()
         steps_of[f"ah{stage}"] = compiled.train_step
-        steps_of[f"dt{stage}"] = TorchDataParallel(stage, build(config), rank, world).step
+        steps_of[f"dt{stage}"] = TorchDataParallel(stage, build(config), loss_fn, ADAMW,
+                                                   bucket_mb=BUCKET_MB).step
     runs = _alternate(steps_of, data, True)
     out = {"stages": {s: _pair(runs, f"ah{s}", f"dt{s}", warmup) for s in stages},
            "plans": plans}
-    return _with_eager(rank, out, config, data, warmup, adamw)
+    return _with_eager(rank, out, config, data, warmup, ADAMW)
 
 
 # ------------------------------------------------------------------ the table

@@ -20,9 +20,10 @@ from .llama import Llama, llama, llama_ffn_hidden
 from .mlp import MLP, mlp
 from .presets import FACTORIES, PRESETS, ModelConfig, build, example_batch, get_preset, preset
 from .resnet import RESNET_DEPTHS, ResNet, resnet
+from . import spec  # noqa: E402  (MODEL strings: presets and file.py:factory)
 
 __all__ = [
     "FACTORIES", "GPT", "Llama", "MLP", "ModelConfig", "PRESETS", "RESNET_DEPTHS", "RMSNorm",
     "ResNet", "build", "example_batch", "get_preset", "gpt", "llama", "llama_ffn_hidden",
-    "mlp", "preset", "resnet",
+    "mlp", "preset", "resnet", "spec",
 ]

@@ -35,6 +35,10 @@ class PassContext:
     coords: tuple[int, int, int]          # (pp, dp, tp)
     graph_kind: str = "train"             # "train" (model + loss) or "forward"
     notes: dict[str, Any] = field(default_factory=dict)
+    #: when a list, run_passes appends (pass name, copies of the graphs after it) for each
+    #: pass that ran: {graph_kind: graph}, or {"stage<k>": graph} once the pipeline is
+    #: split (`autohybrid inspect`, report/program.py); None: nothing kept
+    snapshots: list[tuple[str, dict[str, fx.GraphModule]]] | None = None
 
     @property
     def dp(self) -> int:
@@ -49,6 +53,14 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     old_output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     graph.output(out).meta.update(old_output.meta)
     return fx.GraphModule(gm, graph)
+
+
+def _snapshot(gm: fx.GraphModule, ctx: PassContext) -> dict[str, fx.GraphModule]:
+    """Copies of the graphs as they stand: the pipeline's stages once it is split."""
+    split = ctx.notes.get("pipeline")
+    if split is None:
+        return {ctx.graph_kind: copy_graph_module(gm)}
+    return {f"stage{stage.index}": copy_graph_module(stage.gm) for stage in split.stages}
 
 
 def disabled_passes() -> set[str]:
@@ -86,6 +98,8 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext,
         gm.recompile()
         verify(gm, name)
         log.info("pass %s: %d → %d nodes", name, before, len(gm.graph.nodes))
+        if ctx.snapshots is not None:
+            ctx.snapshots.append((name, _snapshot(gm, ctx)))
         if dump is not None:
             text = gm.print_readable(print_output=False)
             (dump / f"{index:02d}_{ctx.graph_kind}_{name}.py").write_text(text)

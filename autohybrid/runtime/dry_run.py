@@ -182,7 +182,7 @@ def dry_run(model: nn.Module, cluster: Cluster, example_inputs: Any,
     profile = model_profile(train.gm, train.dim_roles, Rates.of(cluster))
     timings["plan"] = time.perf_counter() - start
 
-    gm, notes, timings["mesh"], timings["passes"] = _rewrite(train, plan, rank)
+    gm, notes, timings["mesh"], timings["passes"] = rewrite(train, plan, rank)
 
     start = time.perf_counter()
     report = _check(train, gm, notes, plan, profile, rank, note, timings)
@@ -202,9 +202,12 @@ def _check_plan(plan: Plan, cluster: Cluster, rank: int) -> None:
                         "sp's collectives are checked by the graph tests); pin pp=1, sp=False")
 
 
-def _rewrite(train: CapturedGraph, plan: Plan, rank: int
-             ) -> tuple[fx.GraphModule, dict[str, Any], float, float]:
-    """The passes on rank `rank` under a fake process group of the plan's world size."""
+def rewrite(train: CapturedGraph, plan: Plan, rank: int,
+            snapshots: list[tuple[str, dict[str, fx.GraphModule]]] | None = None
+            ) -> tuple[fx.GraphModule, dict[str, Any], float, float]:
+    """The passes on rank `rank` under a fake process group of the plan's world size:
+    (graph, notes, seconds to build the mesh, seconds in the passes); `snapshots` (a
+    list) receives (pass, graph after it) for every pass."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     saved = dict(ops.groups._GROUPS)
@@ -215,7 +218,8 @@ def _rewrite(train: CapturedGraph, plan: Plan, rank: int
         coords = plan.mesh.coords(rank)
         mesh_s = time.perf_counter() - start
         start = time.perf_counter()
-        ctx = passes_mod.PassContext(plan=plan, rank=rank, coords=coords, graph_kind="train")
+        ctx = passes_mod.PassContext(plan=plan, rank=rank, coords=coords, graph_kind="train",
+                                     snapshots=snapshots)
         ctx.notes["loss_output_index"] = train.user_outputs[0]
         gm = passes_mod.run_passes(train.gm, ctx, passes_mod.passes_for("train"))
         return gm, ctx.notes, mesh_s, time.perf_counter() - start

@@ -21,12 +21,13 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
+from .. import logs
 from ..cost.comm import hierarchy_applies
 from ..cost.memory import usable_bytes
 from ..errors import NoPlanFitsError, NotExecutableError, PlanError
 from ..plan import (Alternative, ChunkedLayer, Constraints, Mesh, NodeSharding, Plan,
                     RankPlacement, schedule_problem)
-from .pricing import Layout, Priced, dp_ranks, gather_min_mb, price
+from .pricing import Layout, Priced, dp_ranks, gather_min_mb, memory_per_pp_rank, price
 from .space import ModelProfile
 
 #: Gradient bucket size of a plan built before pricing (the executability probe); a
@@ -378,8 +379,13 @@ def _make_plan(best: Candidate, profile: ModelProfile, cluster, request: PlanReq
     boundaries = tuple(profile.layers[s].name for s in best.priced.stage_starts[1:])
     plan = _plan_for(best.layout, request, cluster, cluster_hash, placement, boundaries)
     chunked = tuple(ChunkedLayer(name, k) for name, k in best.priced.chunked)
+    per_rank = memory_per_pp_rank(profile, cluster, best.layout, request.seq, request.dtype,
+                                  request.graph_dtype_bytes, request.optimizer,
+                                  best.priced.stage_starts)
+    predicted = replace(best.priced.prediction, memory_per_pp_rank=per_rank)
     return replace(plan, collective_matmul=bool(chunked), collective_matmul_layers=chunked,
-                   bucket_mb=best.priced.bucket_mb, predicted=best.priced.prediction, executable=best.executable,
+                   bucket_mb=best.priced.bucket_mb, predicted=predicted,
+                   executable=best.executable,
                    not_executable_because=best.unsupported,
                    shardings=_shardings(profile) if best.layout.mesh.tp > 1 else ())
 
@@ -451,12 +457,19 @@ def _no_fit_message(candidates: list[Candidate], cluster, skipped: list[str]) ->
 
 
 class _Progress:
-    """A one-line progress report on stderr for searches longer than two seconds."""
+    """The search's progress: the installed bar (logs.progress: the CLI's rich bar), else
+    a one-line report on stderr for searches longer than two seconds."""
 
     def __init__(self, start: float):
         self.start, self.shown = start, False
+        self.bar = logs.progress(None, "searching plans") if logs.has_progress() else None
+        if self.bar is not None:
+            self.bar.__enter__()
 
     def tick(self, count: int) -> None:
+        if self.bar is not None:
+            self.bar.advance()
+            return
         elapsed = time.perf_counter() - self.start
         if elapsed > 2.0 and count % 200 == 0 and sys.stderr.isatty():
             sys.stderr.write(f"\rautohybrid: searching plans… {count} priced, {elapsed:.1f} s")
@@ -464,5 +477,7 @@ class _Progress:
             self.shown = True
 
     def done(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
         if self.shown:
             sys.stderr.write("\n")

@@ -409,6 +409,29 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
     return Priced(prediction, stages.starts, fits, chunked, bucket_mb)
 
 
+def memory_per_pp_rank(profile: ModelProfile, cluster, layout: Layout, seq: int | None,
+                       dtype: str, graph_dtype_bytes: int, optimizer: str,
+                       stage_starts: tuple[int, ...]) -> tuple[MemoryBreakdown, ...]:
+    """Predicted bytes on each pp coordinate (every dp and tp rank of one holds the same)
+    for `layout` with its stages starting at `stage_starts`: what `price` computes for
+    the most loaded rank, for every rank (the report's memory per rank)."""
+    cache: dict = {}
+    links = LinkCache(cluster)
+    mesh = layout.mesh
+    shape = (layout.microbatch_size, mesh.tp, mesh.sp, layout.recompute)
+    times = [layer_times(layer, links, layout, seq, dtype, graph_dtype_bytes, "flash",
+                         0.0, profile.kv_heads, profile.vocab) for layer in profile.layers]
+    placement = stage_ranks(layout.schedule, mesh.pp, layout.virtual_stages)
+    stages = stage_split(times, placement, stage_starts, cache, shape)
+    limit = gather_min_mb(links, layout) * 2**20 if layout.recompute != "full" else 0.0
+    held = _held(profile, stages, shape, cache, limit, graph_dtype_bytes)
+    out = []
+    for rank in range(mesh.pp):
+        state = training_state(held.params[rank], dtype, optimizer, layout.zero, mesh.dp)
+        out.append(_rank_memory(state, stages.sums[rank], stages.working[rank], layout, rank))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class Held:
     """What the pp ranks of a split hold: parameters per rank (one tp rank's share), the
