@@ -76,6 +76,8 @@ def test_model_strings() -> None:
         spec.parse("gpt-tiny?batch=0")
     with pytest.raises(ModelError, match="no such file"):
         spec.parse("nowhere/model.py:build")
+    with pytest.raises(ModelError, match="longer than the model's 16 positions"):
+        spec.parse("gpt-tiny?seq=17").build()
 
 
 def test_model_string_factory(tmp_path) -> None:

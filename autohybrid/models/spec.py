@@ -9,7 +9,8 @@ The CLI takes them, `ah.bench` takes them, and a Plan records the one it was mad
     path/to/file.py:factory?hidden=64&batch=4 ... called with hidden=64
 
 After `?`, `&`-separated `key=value` pairs: `batch` (example batch, default 8) and `seq`
-(sequence length of token inputs, default the model's) shape the example inputs; every
+(sequence length of token inputs, at most the model's, default the model's) shape the
+example inputs; every
 other key is an argument of the model: it replaces a preset's config entry, or is passed
 to the factory as a keyword. Values are read as int, float, true/false, else text.
 
@@ -80,7 +81,12 @@ class ModelSpec:
             torch.manual_seed(seed)
         if self.is_file:
             return self._from_file(device)
-        model = get_preset(self.source).build(device=device, **self.kwargs)
+        config = get_preset(self.source)
+        longest = {**config.kwargs, **self.kwargs}.get("seq")
+        if self.seq is not None and longest is not None and self.seq > longest:
+            raise ModelError(f"MODEL {self.ref!r}: seq={self.seq} (the inputs' length) is "
+                             f"longer than the model's {longest} positions")
+        model = config.build(device=device, **self.kwargs)
         inputs, targets = example_batch(model, self.batch, seq=self.seq, device=_meta(model))
         return Workload(self.ref, model, inputs, targets, zoo_loss, zoo=True, spec=self)
 

@@ -185,12 +185,12 @@ def memory_table(plan: Plan) -> Table:
 def alternatives_table(plan: Plan) -> Table:
     """The runner-up plans: shape, predicted step time and memory, why each lost."""
     table = Table(title="alternatives (why they lost)", title_justify="left")
-    table.add_column("shape", no_wrap=True)
-    table.add_column("step", justify="right")
-    table.add_column("memory / rank", justify="right")
-    table.add_column("fits")
-    table.add_column("executable")
-    table.add_column("why it lost")
+    table.add_column("shape", ratio=3)
+    table.add_column("step", justify="right", no_wrap=True)
+    table.add_column("memory / rank", justify="right", no_wrap=True)
+    table.add_column("fits", no_wrap=True)
+    table.add_column("runs", no_wrap=True)
+    table.add_column("why it lost", ratio=2)
     for alt in plan.alternatives:
         table.add_row(alt.summary.split(" |")[0], format_seconds(alt.step_time_s),
                       format_bytes(alt.memory_per_rank_bytes), _yes_no(alt.fits),

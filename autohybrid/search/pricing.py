@@ -419,8 +419,13 @@ def memory_per_pp_rank(profile: ModelProfile, cluster, layout: Layout, seq: int 
     links = LinkCache(cluster)
     mesh = layout.mesh
     shape = (layout.microbatch_size, mesh.tp, mesh.sp, layout.recompute)
-    times = [layer_times(layer, links, layout, seq, dtype, graph_dtype_bytes, "flash",
-                         0.0, profile.kv_heads, profile.vocab) for layer in profile.layers]
+    by_signature: dict = {}  # identical layers (a model's repeated blocks) priced once
+    for layer in profile.layers:
+        if layer.signature not in by_signature:
+            by_signature[layer.signature] = layer_times(
+                layer, links, layout, seq, dtype, graph_dtype_bytes, "flash", 0.0,
+                profile.kv_heads, profile.vocab)
+    times = [by_signature[layer.signature] for layer in profile.layers]
     placement = stage_ranks(layout.schedule, mesh.pp, layout.virtual_stages)
     stages = stage_split(times, placement, stage_starts, cache, shape)
     limit = gather_min_mb(links, layout) * 2**20 if layout.recompute != "full" else 0.0
