@@ -127,7 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _spec(text: str, seq: int | None = None, batch: int | None = None):
+def _spec(text: str, seq: int | None = None):
     """A MODEL string → ModelSpec, with --seq applied (models/spec.py)."""
     from .models import spec
 

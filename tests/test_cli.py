@@ -6,6 +6,7 @@ process (the same code path after argument parsing, without a second torch impor
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -127,11 +128,14 @@ def test_calibrate_then_plan_with_the_profile(tmp_path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     out = tmp_path / "calibration.json"
     proc = subprocess.run([sys.executable, "-m", "autohybrid.cli", "calibrate", "--world-size",
-                           "2", "--out", str(out)], env=env, capture_output=True, text=True,
-                          timeout=110)
+                           "2", "--out", str(out), "--json"], env=env, capture_output=True,
+                          text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr
     profile = ah.Profile.from_json(out)
-    assert f"profile {profile.hash()}" in proc.stdout and "all-reduce on 2 ranks" in proc.stdout
+    printed = json.loads(proc.stdout)  # --json: the profile written to --out
+    assert printed == json.loads(out.read_text()) and printed["world_size"] == 2
+    assert printed["all_reduce_latency_s"] > 0 and printed["memory_bandwidth"] > 0
+    assert all(v > 0 for v in printed["matmul_flops"].values())
     code = cli.main(["plan", "gpt-tiny", "--cluster", "local:2", "--calibration", str(out),
                      "--out", str(tmp_path / "plan.json")])
     assert code == 0
