@@ -135,22 +135,13 @@ def _spec(text: str, seq: int | None = None):
 
 
 def _constraints(text: str):
+    from .models.spec import parse_value
     from .plan import Constraints
 
     pinned = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, _, value = item.partition("=")
-        lowered = value.strip().lower()
-        if lowered in ("true", "false"):
-            pinned[key.strip()] = lowered == "true"
-        else:
-            try:
-                pinned[key.strip()] = int(value)
-            except ValueError:
-                try:
-                    pinned[key.strip()] = float(value)
-                except ValueError:
-                    pinned[key.strip()] = value.strip()
+        pinned[key.strip()] = parse_value(value.strip())
     try:
         return Constraints(**pinned)
     except TypeError as exc:
@@ -227,18 +218,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print_plan(plan, _console())
         print(f"(planned in {elapsed:.1f} s)")
     try:
-        _write_files(args, plan)
+        program = None
+        if args.report:  # rank 0's program from the model just planned: no second rebuild
+            from .report.program import rank_program
+
+            try:
+                program = rank_program(plan, 0, workload=work, check=False)
+            except AutohybridError:
+                program = None  # the report rebuilds it and says why it cannot
+        _write_files(args, plan, program=program)
     except (AutohybridError, ValueError, OSError) as exc:
         return _fail("plan", exc)
     return 0
 
 
-def _write_files(args: argparse.Namespace, plan, measured=None, bench=None) -> None:
+def _write_files(args: argparse.Namespace, plan, measured=None, bench=None,
+                 program=None) -> None:
     """--report, --trace and --plots of `plan` (with the measured run, if any)."""
     from .report.timeline import predicted_timeline, write_chrome_trace
 
     if getattr(args, "report", None):
-        _write_report(args.report, plan, measured=measured, bench=bench)
+        _write_report(args.report, plan, measured=measured, bench=bench, program=program)
     predicted = predicted_timeline(plan)
     if getattr(args, "trace", None):
         timelines = (measured, predicted) if measured is not None else (predicted,)
@@ -427,6 +427,8 @@ def _train_rank(rank: int, ref: str, world: int, steps: int, plan_json: str | No
     import torch
 
     from . import api
+    from .baselines import Optim
+    from .bench import OPTIMIZERS
     from .cluster import Cluster
     from .models import spec as model_spec
     from .plan import Plan
@@ -434,8 +436,7 @@ def _train_rank(rank: int, ref: str, world: int, steps: int, plan_json: str | No
     work = model_spec.parse(ref).build(device="cpu", seed=0)
     batch = global_batch or work.spec.batch
     batches = work.batches(steps, batch=batch, seed=1)
-    make = {"sgd": lambda ps: torch.optim.SGD(ps, lr=lr),
-            "adamw": lambda ps: torch.optim.AdamW(ps, lr=lr)}[optimizer]
+    make = Optim(OPTIMIZERS[optimizer][0], {"lr": lr})  # as ah.bench builds it
     inputs, targets = batches[0]
     compiled = api.compile(work.model, Cluster.local(world), inputs, loss_fn=work.loss_fn,
                            example_targets=targets, optimizer=make,

@@ -158,7 +158,7 @@ def parse(text: str) -> ModelSpec:
         key, eq, value = item.partition("=")
         if not eq or not key.strip():
             raise ModelError(f"MODEL {text!r}: argument {item!r} is not key=value")
-        kwargs[key.strip()] = _value(value.strip())
+        kwargs[key.strip()] = parse_value(value.strip())
     batch = kwargs.pop("batch", DEFAULT_BATCH)
     seq = kwargs.pop("seq", None)
     for key, value in (("batch", batch), ("seq", seq)):
@@ -192,7 +192,9 @@ def _meta(model: nn.Module) -> str | None:
     return "meta" if first is not None and first.device.type == "meta" else None
 
 
-def _value(text: str) -> Any:
+def parse_value(text: str) -> Any:
+    """`key=value` text → true/false as bool, else int, else float, else the text (MODEL
+    arguments here, `--constrain` in the CLI)."""
     if text.lower() in ("true", "false"):
         return text.lower() == "true"
     for kind in (int, float):
