@@ -178,9 +178,7 @@ def fused_region(inputs: list[torch.Tensor], key: str) -> list[torch.Tensor]:
     region = _region(key)
     mode = _mode(inputs)
     if mode == "eager":
-        outs = _as_list(region.gm(*inputs))
-        ptrs = {t.untyped_storage().data_ptr() for t in inputs}
-        return [o.clone() if o.untyped_storage().data_ptr() in ptrs else o for o in outs]
+        return _unaliased(_as_list(region.gm(*inputs)), inputs)
     low = region.lowered
     shape = _shape(inputs)
     device = inputs[0].device
@@ -189,6 +187,20 @@ def fused_region(inputs: list[torch.Tensor], key: str) -> list[torch.Tensor]:
     tgen.launch(_kernel(region, False, mode == "interpret"), low.program, list(inputs), outs,
                 shape, mode == "interpret")
     return outs
+
+
+def _unaliased(outs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`outs` with every output that shares storage with an input or an earlier output
+    cloned: a custom op may return no alias (torch checks it). A region's ATen ops alias
+    where an op is a no-op on its input, e.g. `aten.to.dtype` to the dtype it already has
+    (Hugging Face's rotary embedding and T5's layer norm end with one)."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs}
+    result = []
+    for out in outs:
+        ptr = out.untyped_storage().data_ptr()
+        result.append(out.clone() if ptr in seen else out)
+        seen.add(ptr)
+    return result
 
 
 @fused_region.register_fake
