@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: demo test test-fast test-full clean chromium
+.PHONY: demo test test-fast test-full test-models clean chromium
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -35,6 +35,14 @@ test: $(STAMP) chromium
 # case; 1 h 29 min on a 2-core machine with other jobs alongside (load 10-28).
 test-full: $(STAMP)
 	AUTOHYBRID_TEST_FULL=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/test_matrix.py
+
+# The model coverage sweep (benchmarks/model_coverage.py): Hugging Face architectures from
+# tiny configs and torch-native models under auto / dp2 / tp2 / pp2, each against eager;
+# the table goes to benchmarks/results/model_coverage_cpu.txt. tests/test_model_coverage.py
+# runs a representative subset in `make test`.
+test-models: $(STAMP)
+	OMP_NUM_THREADS=1 PYTHONPATH=. $(BIN)/python benchmarks/model_coverage.py \
+	  --out benchmarks/results/model_coverage_cpu.txt
 
 clean:
 	rm -rf $(VENV) autohybrid_dump .pytest_cache

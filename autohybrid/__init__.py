@@ -12,7 +12,8 @@ from .bench import BenchResult, bench
 from .calibrate import Profile, calibrate
 from .cluster import Cluster
 from .errors import (AutohybridError, CaptureError, ClusterError, NoPlanFitsError,
-                     NotExecutableError, PlanError, RankFailure, RuntimeFailure)
+                     NotExecutableError, NumericsError, PlanError, RankFailure,
+                     RuntimeFailure)
 from .plan import Constraints, Plan
 from .runtime.launch import launch
 
@@ -22,6 +23,6 @@ logs.configure_from_env()
 __all__ = [
     "AutohybridError", "BenchResult", "CaptureError", "Cluster", "ClusterError", "Constraints", "Profile",
     "bench", "calibrate",
-    "NoPlanFitsError", "NotExecutableError", "Plan", "PlanError", "RankFailure",
+    "NoPlanFitsError", "NotExecutableError", "NumericsError", "Plan", "PlanError", "RankFailure",
     "RuntimeFailure", "compile", "init", "launch", "models", "plan",
 ]

@@ -11,10 +11,11 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 import torch.nn as nn
 
-from .capture import CapturedGraph, as_tuple, capture
+from .capture import CapturedGraph, as_tuple, capture, model_hashes
 from .cluster import Cluster
 from .errors import AutohybridError, NotExecutableError, PlanError
 from .passes.sync_batch_norm import training_batch_norms
+from .passes.pipeline_split import pipeline_blockers
 from .plan import Constraints, Plan, schedule_problem
 from .runtime.features import unsupported
 from .runtime.precision import mixed_compute_dtype
@@ -82,37 +83,50 @@ def load_calibration(calibration: Any) -> "Profile | None":
     return Profile.from_json(calibration)
 
 
-def make_plan(forward: CapturedGraph, train: CapturedGraph | None, model: nn.Module,
+def make_plan(named: CapturedGraph, train: CapturedGraph | None, model: nn.Module,
               cluster: Cluster, example_inputs: tuple, global_batch: int | None,
               dtype: torch.dtype | str | None, constraints: Constraints | None,
               optimizer: str, executable_only: bool, model_ref: str | None = None,
-              calibration: Any = None) -> Plan:
+              calibration: Any = None, trial: Callable[[Plan], str | None] | None = None
+              ) -> Plan:
     """Search a plan for captured graphs (the training graph's costs when there is one).
 
-    `calibration` (a Profile or its JSON path) replaces the cluster's figures with measured
-    ones; the plan records its hash.
+    `named` is the graph the plan names (`Plan.model_hash`, checked when the plan is
+    reused): the training graph in the model's own precision when there is one, else the
+    forward graph (capture.model_hashes). `calibration` (a Profile or its JSON path)
+    replaces the cluster's figures with measured ones; the plan records its hash.
+
+    `executable_only=True` (ah.compile) also runs the passes: candidates are tried best
+    first, each rewritten for rank 0 on fake process groups (`trial`, by default
+    runtime/dry_run.PassTrial of the costed graph), and a candidate a pass rejects drops
+    out with the pass's reason in `plan.alternatives`. `executable_only=False` (ah.plan's
+    default) ranks without rewriting: a big model's rewrite costs as much as its capture.
     """
     if constraints is not None and not isinstance(constraints, Constraints):
         raise PlanError(f"constraints must be ah.Constraints, got {type(constraints).__name__}")
     profile_ = load_calibration(calibration)
     if profile_ is not None:
         cluster = profile_.apply(cluster)
-    costed = train or forward
+    costed = train or named
     profile = model_profile(costed.gm, costed.dim_roles, Rates.of(cluster))
     first = next(iter(model.parameters()), None)
     width = first.element_size() if first is not None else 4
     if costed.autocast is not None:  # mixed precision: the graph holds the compute dtypes
         width = torch.empty((), dtype=costed.autocast).element_size()
     request = PlanRequest(
-        model_hash=forward.hash,
+        model_hash=named.hash,
         global_batch=int(global_batch or _batch_size(example_inputs)),
         seq=_seq_len(example_inputs), dtype=dtype_name(dtype, model), graph_dtype_bytes=width,
         optimizer=optimizer, constraints=constraints or Constraints(), model_ref=model_ref,
         has_batch_norm=bool(training_batch_norms(costed.gm)),
+        pp_blockers=tuple(pipeline_blockers(costed.gm)),
         calibration_hash=profile_.hash() if profile_ is not None else None)
     if request.global_batch < 1:
         raise PlanError(f"global_batch must be a positive integer, got {global_batch!r}")
-    return search(profile, cluster, request, unsupported, executable_only)
+    if executable_only and trial is None:
+        from .runtime.dry_run import PassTrial
+        trial = PassTrial(costed, rank=0, example_inputs=tuple(example_inputs))
+    return search(profile, cluster, request, unsupported, executable_only, trial)
 
 
 def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
@@ -125,16 +139,25 @@ def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
 
     Plans with features the runtime cannot execute yet are ranked too and marked
     (`plan.executable`, `plan.not_executable_because`); `executable_only=True` searches
-    only what `ah.compile` can run today. `calibration`: a profile from `ah.calibrate`
-    (or its JSON path) to price with this machine's measured figures.
+    only what `ah.compile` can run today, as it does: each candidate it would choose is
+    first rewritten for rank 0 on fake process groups, and one a pass rejects gives way
+    to the next (its reason in `plan.alternatives`). Without it nothing is rewritten
+    (for a big model a rewrite costs about as much as its capture). `calibration`: a
+    profile from `ah.calibrate` (or its JSON path) to price with this machine's measured
+    figures.
+
+    With `example_targets` (and `loss_fn`, or None for a model that returns its loss
+    given `labels=`) the plan is made on the training graph and names it, as
+    `ah.compile(..., example_targets=...)` does; without, on the forward graph.
     """
     cluster = _check_cluster(cluster)
     inputs = as_tuple(example_inputs)
-    forward = capture(model, inputs, with_loss=False)
-    train = None
-    if loss_fn is not None and example_targets is not None:
+    if example_targets is not None:
         train = capture(model, inputs, loss_fn, example_targets)
-    return make_plan(forward, train, model, cluster, inputs, global_batch, dtype, constraints,
+        named = train
+    else:
+        train, named = None, capture(model, inputs, with_loss=False)
+    return make_plan(named, train, model, cluster, inputs, global_batch, dtype, constraints,
                      optimizer, executable_only=executable_only, model_ref=model_ref,
                      calibration=calibration)
 
@@ -145,7 +168,7 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
             constraints: Constraints | None = None, global_batch: int | None = None,
             dtype: torch.dtype | str | None = None,
             grad_scaler: torch.amp.GradScaler | bool | None = None,
-            init_seed: int | None = None) -> "CompiledModel":
+            init_seed: int | None = None, check: bool = False) -> "CompiledModel":
     """Compile `model` for `cluster`: capture, plan (or check `plan`), rewrite, set up ranks.
 
     Call it on every rank (inside `ah.launch` or torchrun) with the same arguments.
@@ -154,7 +177,9 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
     dynamically as a `torch.amp.GradScaler` would (`grad_scaler`: its settings; False: off).
     A model on the meta device is materialized shard by shard: each rank allocates only
     its part, with the values `ah.init.materialize(model, init_seed)` gives the whole
-    model (runtime/materialize.py).
+    model (runtime/materialize.py). `check=True` runs the first step in eager too (rank 0
+    holds an eager copy) and raises NumericsError, naming the first parameter whose
+    gathered gradient differs, before the optimizer steps (runtime/selfcheck.py).
     """
     from .compiled import CompiledModel
 
@@ -190,7 +215,8 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
     return CompiledModel(model, cluster, as_tuple(example_inputs), loss_fn=loss_fn,
                          example_targets=example_targets, optimizer_factory=optimizer,
                          plan=plan, constraints=constraints, global_batch=global_batch,
-                         autocast=compute, grad_scaler=grad_scaler, init_seed=init_seed)
+                         autocast=compute, grad_scaler=grad_scaler, init_seed=init_seed,
+                         check=bool(check))
 
 
 def _param_dtype(model: nn.Module) -> torch.dtype:
@@ -198,14 +224,25 @@ def _param_dtype(model: nn.Module) -> torch.dtype:
     return first.dtype if first is not None else torch.float32
 
 
-def check_plan_fits_model(plan: Plan, forward: CapturedGraph, cluster: Cluster) -> None:
+def check_plan_fits_model(plan: Plan, graph: CapturedGraph, cluster: Cluster,
+                          other: Callable[[], CapturedGraph] | None = None) -> None:
+    """Refuse a plan made for another model or cluster, or that cannot run.
+
+    `graph` is the graph compile planned on (the training graph when it has example
+    targets); `other` captures the forward graph, compared when the plan names it (a plan
+    made without targets: capture.model_hashes)."""
     if not isinstance(plan, Plan):
         raise PlanError(f"plan must be an ah.Plan (e.g. ah.Plan.from_json(path)), got "
                         f"{type(plan).__name__}")
-    if plan.model_hash != forward.hash:
+    hashes = model_hashes(plan.model_hash, graph, other)
+    if plan.model_hash not in hashes.values():
+        mine = " and its ".join(f"{what} has hash {h}" for what, h in hashes.items())
+        advice = "" if graph.with_loss else (
+            "; a plan made with example_targets names the training graph, so compile with "
+            "the same loss_fn and example_targets to reuse it")
         raise PlanError(f"the plan was made for another model (graph hash {plan.model_hash}); "
-                        f"this model's graph hash is {forward.hash}. Make a new plan for it "
-                        "(plan=None searches one)")
+                        f"this model's {mine}. Make a new plan for it (plan=None searches "
+                        f"one){advice}")
     if plan.world_size != cluster.world_size:
         raise PlanError(f"the plan's mesh {plan.mesh.describe()} has {plan.world_size} ranks "
                         f"but the cluster has {cluster.world_size} (degrees must multiply to the "

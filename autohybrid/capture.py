@@ -109,6 +109,15 @@ class CapturedGraph:
 
 
 # ----------------------------------------------------------------------------- wrappers
+def target_kwarg(model: nn.Module) -> str | None:
+    """The keyword `model.forward` takes its targets by (labels=, targets=, ...), if any."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return next((k for k in _TARGET_KWARGS if k in params), None)
+
+
 class _WithLoss(nn.Module):
     """model + loss_fn as one module: forward(*inputs, *targets) -> scalar loss."""
 
@@ -117,8 +126,7 @@ class _WithLoss(nn.Module):
         self.model = model
         self.loss_fn = loss_fn
         self.num_inputs = num_inputs
-        params = inspect.signature(model.forward).parameters
-        self.target_kwarg = next((k for k in _TARGET_KWARGS if k in params), None)
+        self.target_kwarg = target_kwarg(model)
 
     def forward(self, *args: torch.Tensor) -> torch.Tensor:
         inputs, targets = args[: self.num_inputs], args[self.num_inputs:]
@@ -201,8 +209,10 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
     dynamic = tuple(_dynamic_dims(t) for t in args)
     context = (torch.autocast(device_type=args[0].device.type, dtype=autocast)
                if autocast is not None else contextlib.nullcontext())
+    # a model run without targets whose forward takes them (labels=...) may need them
+    missing = target_kwarg(model) if not targets else None
     with context:
-        ep, method = _export_with_fallback(wrapper, model, args, dynamic)
+        ep, method = _export_with_fallback(wrapper, model, args, dynamic, missing)
     cap = _from_exported(ep, model, method, len(inputs), len(targets), with_loss)
     cap.autocast = autocast
     cap.example_shapes = [tuple(t.shape) for t in args]
@@ -231,7 +241,8 @@ def _dynamic_dims(t: torch.Tensor) -> dict[int, Any]:
 
 
 def _export_with_fallback(wrapper: nn.Module, model: nn.Module, args: tuple,
-                          dynamic: tuple) -> tuple[ExportedProgram, str]:
+                          dynamic: tuple, missing_target: str | None = None
+                          ) -> tuple[ExportedProgram, str]:
     try:
         ep = torch.export.export(wrapper, args, dynamic_shapes=(dynamic,), strict=False)
         return ep, "export"
@@ -245,7 +256,7 @@ def _export_with_fallback(wrapper: nn.Module, model: nn.Module, args: tuple,
                                      strict=False)
             return ep, "symbolic_trace"
         except Exception as trace_exc:
-            raise _capture_error(export_exc, trace_exc, model) from export_exc
+            raise _capture_error(export_exc, trace_exc, model, missing_target) from export_exc
         finally:
             wrapper.model = model
 
@@ -271,7 +282,7 @@ def _symbolic_trace(model: nn.Module) -> fx.GraphModule:
 
 
 def _capture_error(export_exc: BaseException, trace_exc: BaseException,
-                   model: nn.Module) -> CaptureError:
+                   model: nn.Module, missing_target: str | None = None) -> CaptureError:
     """A CaptureError that names the module and source line that failed, why, and a fix."""
     names = {id(m): (n or "<root>", type(m).__name__) for n, m in model.named_modules()}
     frame_info = module = None
@@ -283,8 +294,8 @@ def _capture_error(export_exc: BaseException, trace_exc: BaseException,
             module = names[id(first)]
         if "site-packages" in code.co_filename or "/torch/" in code.co_filename:
             continue
-        if code.co_filename.endswith("autohybrid/capture.py"):
-            continue
+        if code.co_filename.endswith("autohybrid/capture.py") or code.co_filename.startswith("<"):
+            continue  # (generated code, `<string>`, has no line to show)
         frame_info = (code.co_filename, lineno, code.co_name)
     reason = (str(export_exc).strip().splitlines() or [type(export_exc).__name__])[0]
     where = f"module {module[0]} ({module[1]})" if module else "somewhere inside torch"
@@ -293,7 +304,7 @@ def _capture_error(export_exc: BaseException, trace_exc: BaseException,
         line = linecache.getline(filename, lineno).strip()
         called = f"called from {func} at {filename}:{lineno}: `{line}`"
         where = f"{where}, {called}" if module else called
-    hint = _hint(export_exc)
+    hint = _hint(export_exc, missing_target)
     return CaptureError(
         f"could not capture the model: torch.export failed in {where}\n"
         f"  reason: {type(export_exc).__name__}: {reason}\n"
@@ -302,15 +313,23 @@ def _capture_error(export_exc: BaseException, trace_exc: BaseException,
         f"  what to do: {hint}")
 
 
-def _hint(exc: BaseException) -> str:
+def _hint(exc: BaseException, missing_target: str | None = None) -> str:
     text = f"{type(exc).__name__}: {exc}"
     if "data-dependent" in text or "GuardOnDataDependent" in text:
-        return ("replace Python control flow on tensor values (if x.sum() > 0, .item(), "
+        hint = ("replace Python control flow on tensor values (if x.sum() > 0, .item(), "
                 ".tolist()) with torch.where or torch.cond, so the graph does not depend on data")
-    if any(word in text for word in ("shape", "size", "mat1 and mat2", "dim")):
-        return ("check that example_inputs (and example_targets) have the shapes the model "
+    elif any(word in text for word in ("shape", "size", "mat1 and mat2", "dim")):
+        hint = ("check that example_inputs (and example_targets) have the shapes the model "
                 "expects: dim 0 is the batch, the rest must match the model's layers")
-    return "make forward traceable by torch.export (non-strict); see torch.export's docs"
+    else:
+        hint = "make forward traceable by torch.export (non-strict); see torch.export's docs"
+    if missing_target is None:
+        return hint
+    return (f"the model ran without targets, but its forward takes `{missing_target}`: if it "
+            f"needs them to run (an encoder-decoder such as T5 or BART derives its decoder "
+            f"inputs from {missing_target}), give example_targets (with loss_fn=None when the "
+            f"model computes its own loss) to ah.compile / ah.plan, which then capture the "
+            f"training graph and never the forward without targets; otherwise, {hint}")
 
 
 def _from_exported(ep: ExportedProgram, model: nn.Module, method: str, num_inputs: int,
@@ -354,6 +373,32 @@ def _from_exported(ep: ExportedProgram, model: nn.Module, method: str, num_input
         canonical={p: canonical.get(p, p) for p in params},
         mutated_buffers=mutated, user_outputs=user_outputs,
         dim_roles=_dim_roles(gm), method=method, with_loss=with_loss)
+
+
+def describe(cap: CapturedGraph) -> str:
+    """Which graph `cap` is, for messages."""
+    return "training graph (model + loss)" if cap.with_loss else "forward graph"
+
+
+def model_hashes(expected: str, graph: CapturedGraph,
+                 other: Callable[[], CapturedGraph] | None = None) -> dict[str, str]:
+    """The graph hashes of this model a plan's `model_hash` is compared with: {what: hash}.
+
+    A plan names the graph it was made on: the training graph (model + loss, in the
+    model's own precision) when it was planned with example targets, else the forward
+    graph. `graph` is the one at hand; `other` captures the other kind, called only when
+    `graph`'s hash is not `expected` (skipped when that capture fails: a model that needs
+    its targets to run has no forward graph).
+    """
+    hashes = {describe(graph): graph.hash}
+    if expected != graph.hash and other is not None:
+        try:
+            second = other()
+        except CaptureError:
+            second = None
+        if second is not None:
+            hashes[describe(second)] = second.hash
+    return hashes
 
 
 def canonical_names(model: nn.Module) -> dict[str, str]:

@@ -124,6 +124,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--optimizer", default="adamw", choices=("sgd", "adamw"))
     train.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     train.add_argument("--save", default=None, help="save the trained full state dict here")
+    train.add_argument("--check", action="store_true",
+                       help="compare the first step with eager (rank 0 holds an eager copy) "
+                            "and stop, naming the first parameter whose gradient differs")
     return parser
 
 
@@ -199,8 +202,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         cluster = Cluster.parse(args.cluster, nodes=args.nodes)
         spec = _spec(args.model, args.seq)
         work = spec.build(device="meta")
+        # on the training graph (model + loss), as `train` and `bench` compile it: the
+        # plan names that graph (a MODEL without targets: its forward graph)
         plan = api.plan(work.model, cluster, work.inputs, global_batch=args.global_batch,
                         dtype=args.dtype, constraints=_constraints(args.constrain),
+                        loss_fn=work.loss_fn, example_targets=work.targets,
                         model_ref=spec.ref, calibration=args.calibration)
     except NoPlanFitsError as exc:
         print(f"no plan fits: {exc}", file=sys.stderr)
@@ -422,7 +428,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _train_rank(rank: int, ref: str, world: int, steps: int, plan_json: str | None,
                 constraints: Any, global_batch: int | None, optimizer: str, lr: float,
-                save: str | None) -> dict[str, Any]:
+                save: str | None, check: bool = False) -> dict[str, Any]:
     """One rank of `autohybrid train MODEL`: compile, train `steps` steps, report."""
     import torch
 
@@ -441,7 +447,7 @@ def _train_rank(rank: int, ref: str, world: int, steps: int, plan_json: str | No
     compiled = api.compile(work.model, Cluster.local(world), inputs, loss_fn=work.loss_fn,
                            example_targets=targets, optimizer=make,
                            plan=Plan.from_json(plan_json) if plan_json else None,
-                           constraints=constraints, global_batch=batch)
+                           constraints=constraints, global_batch=batch, check=check)
     losses, times = [], []
     for inputs, targets in batches:
         start = time.perf_counter()
@@ -474,20 +480,22 @@ def cmd_train(args: argparse.Namespace) -> int:
         constraints = _constraints(args.constrain) if args.constrain else None
         results = launch(_train_rank, cluster, args=(
             spec.ref, cluster.world_size, args.steps, args.plan, constraints,
-            args.global_batch, args.optimizer, args.lr, args.save))
+            args.global_batch, args.optimizer, args.lr, args.save, args.check))
     except (AutohybridError, ValueError, OSError) as exc:
         return _fail("train", exc)
     first = results[0]
     agree = all(r["losses"] == first["losses"] for r in results)
     out = {"model": spec.ref, "cluster": args.cluster, "plan": first["plan"],
            "losses": first["losses"], "step_s": first["step_s"], "ranks_agree": agree,
-           "saved": args.save}
+           "saved": args.save, "checked": args.check}
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         print(f"trained {spec.ref} on {args.cluster} with plan {first['summary']}")
         for step, (loss, s) in enumerate(zip(first["losses"], first["step_s"])):
             print(f"  step {step:>3}  loss {loss:.6f}  {s * 1e3:8.1f} ms")
+        if args.check:
+            print("  the first step's loss and gradients equal eager's (--check)")
         print(f"all {len(results)} ranks report the same losses: {agree}"
               + (f"; saved the full state dict to {args.save}" if args.save else ""))
     return 0 if agree else EXIT_FAILED

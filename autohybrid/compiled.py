@@ -25,16 +25,19 @@ import torch.nn as nn
 
 from . import passes as passes_mod
 from .ops import groups as ops_groups
-from .capture import CapturedGraph, as_tuple, canonical_names, capture
+from .blame import StepFailure
+from .capture import CapturedGraph, _WithLoss, as_tuple, canonical_names, capture
 from .cluster import Cluster
-from .errors import AutohybridError, PlanError, RuntimeFailure
-from .plan import Constraints, Plan
+from .errors import AutohybridError, CaptureError, PlanError, RuntimeFailure
+from .plan import Constraints, NodeSharding, Plan
 from .runtime.executor import Executor, check_same_plan
 from .runtime.groups import build_mesh, ensure_initialized
 from .runtime.pipeline import PipelineRunner, shared_grad_groups
 from .runtime.tp_state import ShardedParameters
+from .init import replace_parameters
 from .runtime.materialize import Materializer, retarget_device
 from .runtime.precision import LossScaler
+from .runtime.selfcheck import FirstStepCheck
 from .runtime.zero import ZeroShards
 
 
@@ -45,7 +48,7 @@ class CompiledModel:
                  constraints: Constraints | None, global_batch: int | None,
                  autocast: torch.dtype | None = None,
                  grad_scaler: torch.amp.GradScaler | bool | None = None,
-                 init_seed: int | None = None):
+                 init_seed: int | None = None, check: bool = False):
         from .api import check_plan_fits_model, make_plan, optimizer_kind
 
         ensure_initialized(cluster.world_size)
@@ -56,6 +59,9 @@ class CompiledModel:
         self.materializer = (Materializer(model, init_seed, self.device)
                              if _on_meta(model) else None)
         self.example_inputs = tuple(t.to(self.device) for t in example_inputs)
+        #: check=True: rank 0's eager copy, taken before anything is sharded
+        self._check = (FirstStepCheck(model, self.rank, init_seed, autocast)
+                       if check else None)
         self._forward_captures: dict[bool, CapturedGraph] = {}
         self.sharded: ShardedParameters | None = None  # this rank's shards (tp > 1)
         self._owned: set[str] | None = None  # parameters of this rank's stages (pp > 1)
@@ -64,24 +70,36 @@ class CompiledModel:
         #: mixed precision: the graphs run under autocast to this dtype (capture.py)
         self.autocast = autocast
         self.scaler = _loss_scaler(autocast, grad_scaler)
-        # the plain capture names the model (plans are made on it, also on meta devices);
-        # under mixed precision the programs are captured again under autocast
-        forward = capture(model, self.example_inputs, with_loss=False)
-        if autocast is None:
-            self._forward_captures[model.training] = forward
+        self.optimizer_factory = optimizer_factory
+        # What is captured now: with example_targets only the training graph (model +
+        # loss), which the plan is made on and names; the forward without targets is
+        # captured when compiled(inputs) first runs (some models cannot run without their
+        # targets: T5 derives its decoder inputs from labels). Without them the forward
+        # graph, which the plan is made on; the training graph comes from the first
+        # train_step's batch and then gives the shards and stages (_adopt_train_layout).
+        # The plan names a graph in the model's own precision (as ah.plan, also on meta
+        # devices, captures it); under mixed precision the programs run under autocast.
         self._train: CapturedGraph | None = None
         if example_targets is not None:
-            self._train = capture(model, self.example_inputs, loss_fn,
-                                  tuple(t.to(self.device) for t in as_tuple(example_targets)),
+            targets = tuple(t.to(self.device) for t in as_tuple(example_targets))
+            self._train = capture(model, self.example_inputs, loss_fn, targets,
                                   autocast=autocast)
+            named = (self._train if autocast is None
+                     else capture(model, self.example_inputs, loss_fn, targets))
+        else:
+            named = capture(model, self.example_inputs, with_loss=False)
+            if autocast is None:
+                self._forward_captures[model.training] = named
         self.optimizer = (optimizer_factory(list(self._trained_params().values()))
                           if optimizer_factory and self.materializer is None else None)
         if plan is None:
-            plan = make_plan(forward, self._train, model, cluster, self.example_inputs,
+            plan = make_plan(named, self._train, model, cluster, self.example_inputs,
                              global_batch, autocast, constraints, optimizer_kind(self.optimizer),
                              executable_only=True)
-        else:
-            check_plan_fits_model(plan, forward, cluster)
+        else:  # a plan made without targets names the forward graph: captured if so
+            forward = lambda: capture(model, self.example_inputs, with_loss=False)  # noqa: E731
+            check_plan_fits_model(plan, named, cluster,
+                                  other=forward if named.with_loss else None)
         self.plan = plan
         self._check_batch_norm_microbatches()
         check_same_plan(plan.hash())
@@ -89,29 +107,54 @@ class CompiledModel:
         self.mesh = mesh
         self._groups = ops_groups.snapshot()  # bound again whenever this model runs
         self.coords = plan.mesh.coords(self.rank)
-        dp_group = mesh.get_group("dp") if mesh is not None and plan.mesh.dp > 1 else None
-        state = self._train.default_state(model) if self._train else forward.default_state(model)
         self.graphs: dict[str, fx.GraphModule] = {}
         self.notes: dict[str, dict[str, Any]] = {}
         self.programs: dict[str, CapturedGraph] = {}
+        #: the program whose notes gave this rank's shards and stages: "train", a forward
+        #: kind until the training graph is captured, None without tp and pp
+        self._layout_from: str | None = None
+        self.executor: Executor | None = None
         if self._train is not None:
             self._rewrite("train", self._train)
         elif plan.mesh.tp > 1 or plan.mesh.pp > 1:
-            # the shards and stages come from the forward graph until training
+            # shards and stages from the forward graph until the first train_step
             self._rewrite(self._forward_kind(), self._forward_capture())
-        first_notes = next(iter(self.notes.values()), {})
+        self._layout_from = next(iter(self.notes), None)
+        self._build_state(self.notes.get(self._layout_from, {}), named)
+        if optimizer_factory and (self.sharded is not None or self._owned is not None
+                                  or self.zero is not None or self.materializer is not None):
+            self._make_optimizer()  # this rank's part
+        self.found_inf = False  # the last step's gradients overflowed (fp16): it was skipped
+        if self._check is not None and self._train is not None:
+            self._check.refuse_unless_comparable(self._train.gm, plan.mesh.dp,
+                                                 plan.num_microbatches)
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _build_state(self, notes: dict[str, Any], graph: CapturedGraph) -> None:
+        """This rank's stages, tp shards, whole parameters of a meta model, ZeRO shards and
+        executor, from the notes of the program the layout comes from (`graph` names
+        the parameters and buffers the programs read)."""
+        plan, model, mesh = self.plan, self.model, self.mesh
+        hooks = []
+        if self.executor is not None:  # built again (_adopt_train_layout)
+            self.executor.reducer.remove()
+            hooks = self.executor.microbatch_hooks
+        self.sharded = self.zero = self._owned = None
+        dp_group = mesh.get_group("dp") if mesh is not None and plan.mesh.dp > 1 else None
+        state = graph.default_state(model)
         if plan.mesh.pp > 1:
-            self._owned = self._stage_params(first_notes)
+            self._owned = self._stage_params(notes)
         zero3 = plan.zero == 3 and plan.mesh.dp > 1
         if plan.mesh.tp > 1:
             tp_group = mesh.get_group("tp") if mesh is not None else None
-            self.sharded = ShardedParameters(model, first_notes["param_shards"], tp_group,
+            self.sharded = ShardedParameters(model, notes["param_shards"], tp_group,
                                              plan.mesh.tp, None if zero3 else self._tp_shard)
             self.sharded.into_state(state)
         if self.materializer is not None and not zero3:  # this rank's whole parameters
             split = self.sharded.specs if self.sharded is not None else {}
             whole = {n for n in self._trained_params() if n not in split}
-            self.materializer.into_model(model, whole)
+            self.materializer.into_model(model, {n for n in whole
+                                                 if model.get_parameter(n).is_meta})
             state.update({n: model.get_parameter(n) for n in whole if n in state})
         if plan.zero and plan.mesh.dp > 1:
             self.zero = ZeroShards(plan.zero, self._trained_params(), dp_group, plan.mesh.dp,
@@ -119,18 +162,62 @@ class CompiledModel:
                                    self._zero_shard)
             if zero3:  # the graphs read the shards (passes/zero.py)
                 state.update(self.zero.shards)
-        if optimizer_factory and (self.sharded is not None or self._owned is not None
-                                  or self.zero is not None or self.materializer is not None):
-            self.optimizer = optimizer_factory(self._optimizer_params())  # this rank's part
-            if self.zero is not None and self.zero.stage < 3:
-                self.optimizer.register_step_post_hook(lambda *_: self.zero.gather_params())
         self.executor = Executor(plan, self.rank, self.coords[1], dp_group,
                                  _full_state(model, state),
                                  list(self._trained_params().values()), self.zero,
                                  self.scaler)
-        self.found_inf = False  # the last step's gradients overflowed (fp16): it was skipped
+        self.executor.microbatch_hooks = hooks
 
-    # ------------------------------------------------------------------ set-up helpers
+    def _make_optimizer(self) -> None:
+        self.optimizer = self.optimizer_factory(self._optimizer_params())
+        if self.zero is not None and self.zero.stage < 3:
+            self.optimizer.register_step_post_hook(lambda *_: self.zero.gather_params())
+
+    def _adopt_train_layout(self, notes: dict[str, Any]) -> None:
+        """The training graph, captured at the first train_step, gives the shards and
+        stages: the forward graph the compile-time ones came from is no valid source of the
+        training layout (a vocabulary-parallel loss splits the output layer the forward
+        keeps whole). Nothing has trained yet, so this rank's state is built again from
+        the model's values (the seeded ones of a meta model), the optimizer steps the new
+        tensors (the same optimizer object: schedulers made on it stay valid), and the
+        forward programs are rewritten for the new shards when next called."""
+        self._layout_from = "train"
+        if self.sharded is None and self._owned is None:
+            return
+        same = ((self.sharded is None or notes.get("param_shards", {}) == self.sharded.specs)
+                and (self._owned is None or self._stage_params(notes) == self._owned))
+        if same:
+            return
+        old = self._optimizer_named()
+        self._build_state(notes, self._train)
+        for kind in [k for k in self.programs if k != "train"]:
+            del self.programs[kind], self.graphs[kind], self.notes[kind]
+        self._runners.clear()
+        if self.optimizer is None:
+            return
+        new = self._optimizer_named()
+        swap = {id(p): new[name] for name, p in old.items() if name in new}
+        groups = self.optimizer.param_groups
+        if (old.keys() == new.keys() and not self.optimizer.state
+                and all(id(p) in swap for g in groups for p in g["params"])):
+            for g in groups:
+                g["params"] = [swap[id(p)] for p in g["params"]]
+        else:  # other parameters (stages) or state: a new optimizer over this rank's part
+            self._make_optimizer()
+
+    def _pass_plan(self, cap: CapturedGraph) -> Plan:
+        """The plan the passes rewrite `cap` with: a forward graph rewritten after the
+        training graph gave the shards splits (column-wise) the parameters the training
+        layout splits, so that both programs read the same shards."""
+        if cap.with_loss or self.sharded is None or self._layout_from != "train":
+            return self.plan
+        split = {s.node for s in self.plan.shardings if s.placement.startswith("shard(")}
+        extra = tuple(NodeSharding(name, f"shard({spec.dim})")
+                      for name, spec in sorted(self.sharded.specs.items()) if name not in split)
+        if not extra:
+            return self.plan
+        return dataclasses.replace(self.plan, shardings=self.plan.shardings + extra)
+
     def _tp_shard(self, name: str, spec) -> torch.Tensor | None:
         """This rank's tp shard of a meta model's parameter (None: not this rank's)."""
         if self.materializer is None or (self._owned is not None and name not in self._owned):
@@ -161,9 +248,12 @@ class CompiledModel:
 
     def _optimizer_params(self) -> list[nn.Parameter]:
         """What the optimizer steps: the trained parameters, or their ZeRO shards."""
+        return list(self._optimizer_named().values())
+
+    def _optimizer_named(self) -> dict[str, nn.Parameter]:
         if self.zero is not None:
-            return self.zero.optimizer_params()
-        return list(self._trained_params().values())
+            return dict(self.zero.shards)
+        return self._trained_params()
 
     # ------------------------------------------------------------------ pipeline
     def _stage_params(self, notes: dict[str, Any]) -> set[str]:
@@ -182,9 +272,10 @@ class CompiledModel:
             if owned != self._owned:
                 raise RuntimeFailure(
                     f"the {kind} graph puts other parameters on this rank's pipeline stages "
-                    f"than the graph the optimizer was built for ({sorted(owned ^ self._owned)[:3]}"
-                    "); compile with example_targets so that one training graph is used "
-                    "throughout")
+                    f"than the {self._layout_from} graph the stages were made from "
+                    f"({sorted(owned ^ self._owned)[:3]}): this plan cannot run the model's "
+                    "forward on the training layout's stages; call compiled(inputs) under a "
+                    "plan without pipeline parallelism (Constraints(pp=1))")
             pp_group = self.mesh.get_group("pp") if self.mesh is not None else None
             shared = shared_grad_groups(self.plan, notes["pipeline"]) if kind == "train" else {}
             self._runners[kind] = PipelineRunner(
@@ -210,11 +301,41 @@ class CompiledModel:
     def _forward_kind(self) -> str:
         return f"forward_{'train' if self.model.training else 'eval'}"
 
+    def _capture(self, *args: Any, **kwargs: Any) -> CapturedGraph:
+        """`capture(self.model, ...)` after compile: a meta model whose parameters are
+        partly materialized is captured on its meta parameters, as at compile (the
+        programs are pointed at this device when rewritten)."""
+        if self.materializer is None:
+            return capture(self.model, *args, **kwargs)
+        current = dict(self.model.named_parameters())
+        meta = {id(p): self.materializer.meta[name] for name, p in current.items()
+                if not p.is_meta}
+        back = {id(self.materializer.meta[name]): p for name, p in current.items()
+                if not p.is_meta}
+        replace_parameters(self.model, meta)
+        try:
+            return capture(self.model, *args, **kwargs)
+        finally:
+            replace_parameters(self.model, back)
+
     def _forward_capture(self) -> CapturedGraph:
+        """The forward graph without targets (in the model's current train/eval mode),
+        captured when first needed."""
         mode = self.model.training
         if mode not in self._forward_captures:
-            self._forward_captures[mode] = capture(self.model, self.example_inputs,
-                                                   with_loss=False, autocast=self.autocast)
+            try:
+                self._forward_captures[mode] = self._capture(
+                    self.example_inputs, with_loss=False, autocast=self.autocast)
+            except CaptureError as exc:
+                if self._train is None:
+                    raise
+                raise CaptureError(
+                    "compiled(inputs) runs the model on its inputs alone, and this model "
+                    "cannot run without its targets: it was captured with them for training "
+                    "(train_step works), but not without (an encoder-decoder such as T5 "
+                    "derives its decoder inputs from labels). Call train_step(inputs, "
+                    f"targets) to train it; compiled(inputs) is not available for it.\n"
+                    f"The capture without targets: {exc}") from exc
         return self._forward_captures[mode]
 
     def _check_batch_norm_microbatches(self) -> None:
@@ -229,7 +350,8 @@ class CompiledModel:
 
     def _rewrite(self, kind: str, cap: CapturedGraph) -> CapturedGraph:
         """Run the passes on `cap`'s graph; the result is this rank's program for `kind`."""
-        ctx = passes_mod.PassContext(plan=self.plan, rank=self.rank, coords=self.coords,
+        ctx = passes_mod.PassContext(plan=self._pass_plan(cap), rank=self.rank,
+                                     coords=self.coords,
                                      graph_kind="train" if cap.with_loss else "forward")
         if cap.with_loss:
             ctx.notes["loss_output_index"] = cap.user_outputs[0]
@@ -240,12 +362,16 @@ class CompiledModel:
             retarget_device(gm, self.device)
             for stage in getattr(ctx.notes.get("pipeline"), "stages", ()):
                 retarget_device(stage.gm, self.device)
-        if self.sharded is not None:
+        # the layout made from a forward graph gives way to the training graph's
+        adopt = cap.with_loss and self._layout_from not in (None, "train")
+        if self.sharded is not None and not adopt:
             self.sharded.check_same(ctx.notes.get("param_shards", {}), kind)
         outputs = list(cap.user_outputs)
         if cap.with_loss:  # global_loss appended the denominator as the last output
             outputs.append(len(cap.mutated_buffers) + len(cap.user_outputs))
         program = dataclasses.replace(cap, gm=gm, user_outputs=outputs)
+        if adopt:
+            self._adopt_train_layout(ctx.notes)
         self.graphs[kind], self.notes[kind], self.programs[kind] = gm, ctx.notes, program
         return program
 
@@ -273,8 +399,8 @@ class CompiledModel:
             shard = self.executor.local_slice if not local else (lambda ts, w: list(ts))
             first = [self.executor.microbatches(shard(ts, what), what)[0]
                      for ts, what in ((inputs, "inputs"), (targets, "targets"))]
-            self._train = capture(self.model, tuple(first[0]), self.loss_fn, tuple(first[1]),
-                                  autocast=self.autocast)
+            self._train = self._capture(tuple(first[0]), self.loss_fn, tuple(first[1]),
+                                        autocast=self.autocast)
             self._rewrite("train", self._train)
         if len(targets) != self._train.num_targets:
             raise AutohybridError(f"targets: expected {self._train.num_targets} tensor(s), got "
@@ -294,7 +420,17 @@ class CompiledModel:
         With fp16 loss scaling, a step whose gradients overflowed on any rank is skipped
         (no clipping, no optimizer step) on every rank and the scale backs off, as
         `GradScaler.step` / `update` do."""
-        loss = self.forward_backward(inputs, targets, local=local)
+        try:
+            if self._check is not None and not self._check.done:
+                return self._checked_step(inputs, targets, local, max_grad_norm)
+            loss = self.forward_backward(inputs, targets, local=local)
+            return self._step(loss, max_grad_norm)
+        except AutohybridError:
+            raise
+        except Exception as exc:  # torch's: name the node, its module and what to do
+            raise StepFailure.of(exc, "train_step", self.plan) from exc
+
+    def _step(self, loss: torch.Tensor, max_grad_norm: float | None) -> torch.Tensor:
         if not self.found_inf:
             if max_grad_norm is not None:
                 self.clip_grad_norm_(max_grad_norm)
@@ -303,6 +439,25 @@ class CompiledModel:
         if self.scaler is not None:
             self.scaler.update(self.found_inf)
         return loss
+
+    def _checked_step(self, inputs: Any, targets: Any, local: bool,
+                      max_grad_norm: float | None) -> torch.Tensor:
+        """The first step under check=True: compared with eager before anything steps."""
+        if local:
+            raise AutohybridError("check=True compares the first step on the global batch "
+                                  "with eager: call the first train_step without local=True")
+        rng = self._check.rng_state()
+        loss = self.forward_backward(inputs, targets, local=local)
+        self._check.refuse_unless_comparable(self._train.gm, self.plan.mesh.dp,
+                                             self.plan.num_microbatches)
+        xs, ys = self._inputs(inputs, "inputs", None), self._inputs(targets, "targets", None)
+
+        def eager_loss(ref: nn.Module) -> torch.Tensor:  # what the train graph captured
+            with self._train.autocast_context(xs):
+                return _WithLoss(ref, self.loss_fn, len(xs))(*xs, *ys)
+
+        self._check.verify(loss, self.full_grads(), eager_loss, rng)
+        return self._step(loss, max_grad_norm)
 
     @property
     def loss_scale(self) -> float | None:
@@ -368,8 +523,13 @@ class CompiledModel:
         kind = self._forward_kind()
         program = self.programs.get(kind) or self._rewrite(kind, cap)
         tensors = self._inputs(inputs, "inputs", len(self.example_inputs))
-        with torch.no_grad():
-            return self.executor.forward(program, tensors, self._runner(kind))
+        try:
+            with torch.no_grad():
+                return self.executor.forward(program, tensors, self._runner(kind))
+        except AutohybridError:
+            raise
+        except Exception as exc:  # torch's: name the node, its module and what to do
+            raise StepFailure.of(exc, "the forward", self.plan) from exc
 
     # ------------------------------------------------------------------ state
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:

@@ -48,3 +48,7 @@ class RankFailure(RuntimeFailure):
         self.exitcode = exitcode
         detail = traceback_text.strip() or f"exit code {exitcode}"
         super().__init__(f"rank {rank} failed:\n{detail}")
+
+
+class NumericsError(RuntimeFailure):
+    """`check=True` found the compiled step computing other numbers than eager."""

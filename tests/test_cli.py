@@ -65,11 +65,13 @@ def test_plan_json_and_out(tmp_path) -> None:
     assert printed.model_ref == "gpt-tiny" and printed.dtype == "bfloat16"
     assert out.read_text() == result.stdout  # --out writes the same JSON
     assert ah.Plan.from_json(out) == printed
-    # the plan made on meta by the CLI serves the real model (same graph hash)
+    # the plan made on meta by the CLI serves the real model: it names the training graph
+    # (model + the MODEL's loss), as ah.compile with example_targets captures it
     from autohybrid.capture import capture
+    from autohybrid.models.spec import zoo_loss
     model = ah.models.preset("gpt-tiny")
-    inputs, _ = ah.models.example_batch("gpt-tiny", 8)
-    assert capture(model, inputs, with_loss=False).hash == printed.model_hash
+    inputs, targets = ah.models.example_batch("gpt-tiny", 8)
+    assert capture(model, inputs, zoo_loss, targets).hash == printed.model_hash
 
 
 @pytest.mark.timeout(90)

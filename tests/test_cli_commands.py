@@ -147,10 +147,10 @@ def test_train_model_matches_eager(capsys, tmp_path) -> None:
     saved = tmp_path / "state.pt"
     code, out, err = _main(capsys, "train", ref, "--cluster", "local:2", "--steps", str(steps),
                            "--optimizer", "sgd", "--lr", str(lr), "--constrain", "dp=2",
-                           "--save", str(saved), "--json")
+                           "--save", str(saved), "--check", "--json")
     assert code == 0, err
     data = json.loads(out)
-    assert data["ranks_agree"] and len(data["losses"]) == steps
+    assert data["ranks_agree"] and len(data["losses"]) == steps and data["checked"]
     assert data["plan"]["mesh"]["dp"] == 2
     # the same model, batches and optimizer in eager PyTorch
     work = spec.parse(ref).build(device="cpu", seed=0)

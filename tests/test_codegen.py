@@ -443,3 +443,28 @@ def test_autotuning_keeps_the_fastest_launch_and_every_launch_is_exact(monkeypat
         count = len(timed)
         run_and_check(rms, [(6, 37), (37,)], torch.float32, seed=7)
         assert len(timed) == count   # remembered per shape class
+
+
+
+def _to_noop(x):
+    y = aten.mul.Tensor(x, 1.0)
+    return y, aten.to.dtype(y, torch.float32)   # a no-op cast: the same tensor in eager
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("interpret", ["0", "1"])
+def test_outputs_that_alias_each_other_are_returned_as_distinct_tensors(monkeypatch,
+                                                                         interpret):
+    """Issue 17 E1: HF's rotary embedding ends with `(sin * 1.0).to(x.dtype)`, a no-op
+    `aten.to.dtype`; a region returning both values returned one tensor twice on the
+    eager CPU path and torch's custom-op check refused it ("must not also be an input
+    ... or other returns"). Every path returns distinct tensors with eager's values."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    x = torch.randn(4, 16, requires_grad=True)
+    key = fused.register_region(region(_to_noop, x))
+    a, b = torch.ops.autohybrid.fused_region([x], key)
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    torch.testing.assert_close(a, x * 1.0)
+    torch.testing.assert_close(b, x * 1.0)
+    (grad,) = torch.autograd.grad(a.sum() + 2 * b.sum(), [x])
+    torch.testing.assert_close(grad, torch.full_like(x, 3.0))

@@ -294,15 +294,25 @@ def _losses_rank(rank: int, world: int) -> list[str]:
                           loss_fn=loss_fn, example=head(batches[0], 8))
 
     # A loss that combines samples before its final reduction does not split over
-    # shards: compile must refuse it rather than train to other numbers.
-    (x,), y = _mlp_float_batches(8)[0]
+    # shards: pinned to dp, compile must refuse it rather than train to other numbers;
+    # unconstrained, it chooses a plan that does not split the batch (the passes reject
+    # the faster dp ones) and trains like eager.
+    mixing = lambda o, t: ((o - t) ** 2).mean(0).sum()  # noqa: E731
+    batches = _mlp_float_batches(8)
+    (x,), y = batches[0]
     try:
         ah.compile(zoo_model("mlp-tiny"), ah.Cluster.local(world), (x,), example_targets=y,
-                   loss_fn=lambda o, t: ((o - t) ** 2).mean(0).sum())
-        fails.append("loss .mean(0).sum() (mixes samples) compiled for dp=4 without error")
+                   loss_fn=mixing, constraints=DATA_PARALLEL)
+        fails.append(f"loss .mean(0).sum() (mixes samples) compiled for dp={world} without "
+                     "error")
     except ah.PlanError as exc:
         fails.check(f"mixing loss refused without naming the cause: {exc}",
                     "no batch dimension" in str(exc))
+    compiled, _ = train_and_compare(fails, "mlp-tiny/.mean(0).sum() unconstrained",
+                                    zoo_model("mlp-tiny"), batches, world, loss_fn=mixing)
+    fails.check(f"mixing loss planned {compiled.plan.mesh.describe()} × "
+                f"{compiled.plan.num_microbatches} microbatches: it splits the batch",
+                compiled.plan.mesh.dp * compiled.plan.num_microbatches == 1)
 
     # forward only on uneven shards: the full batch, in order, on every rank
     model = zoo_model("mlp-tiny")
@@ -398,6 +408,39 @@ def _model_loss_rank(rank: int, world: int) -> list[str]:
 def test_models_that_return_their_loss_match_eager():
     """loss_fn=None: nanoGPT-style (logits, loss), and Hugging Face GPT-2 with labels=."""
     _assert_no_failures(_launch(_model_loss_rank, 2))
+
+
+def _mistral_rank(rank: int, world: int) -> list[str]:
+    """Hugging Face Mistral (tiny config) under dp: its causal mask indexes position ids
+    by `arange(batch)` and takes `new_ones` of the result, which the batch analysis once
+    refused. Compiled once with AdamW, then reset and stepped with SGD (as the zoo).
+
+    Mistral computes its loss in float32 (`logits.float()`), so gradients match eager to
+    float32 precision (~1e-8 here, dp = 1 alike); Adam's g / (|g| + eps) scales such an
+    error by up to lr / eps, so eps is raised to compare at float64's tolerances."""
+    from autohybrid.models import coverage
+
+    fails = Failures()
+    case = coverage.build("mistral")
+    initial = copy.deepcopy(case.model)
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.05, eps=1e-2)  # noqa: E731
+    compiled, _ = train_and_compare(fails, f"mistral/adamw/dp{world}", case.model,
+                                    case.batches, world, loss_fn=None, optimizer=adamw,
+                                    eager_loss=case.eager_loss, constraints=DATA_PARALLEL)
+    fails.check(f"mistral: plan is {compiled.plan.mesh.describe()}, not dp={world}",
+                compiled.plan.mesh.dp == world)
+    case.model.load_state_dict(initial.state_dict())
+    compiled.optimizer = OPTIMIZERS["sgd"](list(case.model.parameters()))
+    ref = copy.deepcopy(initial)
+    compare_training(fails, f"mistral/sgd/dp{world}", compiled, ref,
+                     OPTIMIZERS["sgd"](list(ref.parameters())), case.batches, case.eager_loss)
+    return fails
+
+
+@pytest.mark.timeout(240)
+def test_mistral_causal_mask_trains_like_eager_under_dp():
+    pytest.importorskip("transformers")
+    _assert_no_failures(_launch(_mistral_rank, 2))
 
 
 # ============================================================================ bucketing

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch
 import torch.distributed as dist
 
 from autohybrid.errors import ClusterError, RankFailure, RuntimeFailure
@@ -187,6 +188,20 @@ def test_timeout_kills_hanging_rank(tmp_path, monkeypatch, via_env):
     assert not isinstance(info.value, RankFailure)
     assert "timed out" in str(info.value) and "[1]" in str(info.value)
     _assert_all_dead(_recorded_pids(tmp_path))
+
+
+def _tensor_result(rank: int):
+    return {"rank": rank, "grads": torch.full((3,), float(rank), requires_grad=True) * 2}
+
+
+@pytest.mark.timeout(60)
+def test_tensors_come_back_after_the_rank_exits():
+    """A rank's tensors travel as bytes, not as handles to its shared memory (which went
+    with the rank, so the parent got nothing: "exited with code 0 without reporting")."""
+    results = launch(_tensor_result, 2)
+    for rank, out in enumerate(results):
+        assert out["rank"] == rank
+        torch.testing.assert_close(out["grads"].detach(), torch.full((3,), 2.0 * rank))
 
 
 @pytest.mark.timeout(60)

@@ -240,6 +240,160 @@ def test_losses_that_combine_samples_before_the_reduction_are_refused_when_split
             run_passes(cap.gm, ctx, [("global_loss", global_loss)])
 
 
+# ------------------------------------------------------- per-sample dataflow (batch_flow)
+EXPERTS, HIDDEN, SEQ = 3, 6, 4
+
+
+class TokenMoE(nn.Module):
+    """(batch, seq, hidden) → (batch, seq, classes) through a top-2 mixture of experts
+    dispatched as Hugging Face's `grouped_mm` experts do: the flattened token → expert ids
+    sorted across the whole batch, `histc` tokens per expert, their `cumsum` as the
+    offsets of a grouped matmul, `inv[perm] = arange` to restore the token order.
+
+    `capacity`: an expert takes at most that many tokens of the batch (a token's slot is
+    a cumsum over the tokens before it: combines samples). `leak`: the tokens-per-expert
+    counts reach the output (as a load-balancing term would: combines samples)."""
+
+    def __init__(self, capacity: int | None = None, leak: bool = False):
+        super().__init__()
+        self.capacity, self.leak = capacity, leak
+        self.router = nn.Linear(HIDDEN, EXPERTS, bias=False)
+        self.experts = nn.Parameter(torch.randn(EXPERTS, HIDDEN, HIDDEN) * 0.5)
+        self.head = nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, hidden = x.shape
+        tokens = x.reshape(-1, hidden)
+        weights, ids = self.router(tokens).softmax(-1).topk(2, dim=-1)
+        weights, ids = weights.reshape(-1), ids.reshape(-1)
+        if self.capacity is not None:
+            one_hot = F.one_hot(ids, EXPERTS)
+            slot = (one_hot.cumsum(0) * one_hot).sum(-1)
+            weights = weights * (slot <= self.capacity)
+        sorted_ids, perm = torch.sort(ids)
+        rows = tokens[perm // 2]
+        counts = torch.histc(sorted_ids.to(x.dtype), bins=EXPERTS, min=0, max=EXPERTS - 1)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        out = torch.ops.transformers.grouped_mm_fallback(rows, self.experts, offsets)
+        out = out * weights[perm].unsqueeze(-1)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.shape[0])
+        mixed = out[inverse].view(batch * seq, 2, hidden).sum(1).view(batch, seq, hidden)
+        if self.leak:
+            mixed = mixed + 0.01 * counts[0]
+        return self.head(torch.tanh(x + mixed))
+
+
+class CausalMaskAttention(nn.Module):
+    """Attention under a causal mask built as transformers' `create_causal_mask` does:
+    position ids indexed by `arange(batch)`, `new_ones` of that indexed tensor (a
+    batch-free scalar of a batched value), expanded to (batch, 1, seq, seq)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.head = nn.Linear(HIDDEN, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        positions = torch.arange(seq).unsqueeze(0).expand(batch, -1)
+        rows = torch.arange(batch)[:, None, None, None]
+        q_pos = positions[rows, torch.arange(seq)[None, None, :, None]]
+        k_pos = positions[rows, torch.arange(seq)[None, None, None, :]]
+        mask = q_pos.new_ones((), dtype=torch.bool) & (k_pos <= q_pos)
+        q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.expand(batch, 1, seq, seq))
+        return self.head(out.squeeze(1))
+
+
+class Mixing(nn.Module):
+    """SeqNet-shaped, with `fn` of its hidden values in the middle."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.a, self.b, self.fn = nn.Linear(HIDDEN, HIDDEN), nn.Linear(HIDDEN, CLASSES), fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.fn(torch.tanh(self.a(x))))
+
+
+def _token_loss(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(o.flatten(0, 1), t.flatten())
+
+
+def _split_numerators(cap, model, x, t, splits) -> list[torch.Tensor]:
+    """Σ numerator / Σ denominator of the global_loss-rewritten graph for each split."""
+    ctx = train_context(cap, make_plan())
+    program = rewritten(cap, ctx, run_passes(cap.gm, ctx, [("global_loss", global_loss)]))
+    state = cap.default_state(model)
+    out = []
+    for split in splits:
+        parts = [program.run(state, (x[s],), (t[s],)) for s in split]
+        out.append(sum(n for n, _ in parts) / sum(d for _, d in parts))
+    return out
+
+
+PER_SAMPLE = {"moe_per_token_dispatch": TokenMoE, "causal_mask_new_ones": CausalMaskAttention}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", list(PER_SAMPLE))
+def test_per_token_dispatch_and_batch_free_masks_split_over_shards(name: str) -> None:
+    """The analysis proves these per-sample (before: refused at `histc` / `new_ones`),
+    and the shards of any split do add up to eager's loss."""
+    if name.startswith("moe"):
+        pytest.importorskip("transformers.integrations.moe")  # registers grouped_mm_fallback
+    g = torch.Generator().manual_seed(3)
+    torch.manual_seed(0)
+    model = PER_SAMPLE[name]().double()
+    x = torch.randn(BATCH, SEQ, HIDDEN, generator=g, dtype=torch.float64)
+    t = torch.randint(0, CLASSES, (BATCH, SEQ), generator=g)
+    cap = capture(model, (x[:4],), _token_loss, (t[:4],))
+    for dp, count in [(2, 1), (1, 2), (2, 2)]:
+        ctx = train_context(cap, make_plan(dp=dp, num_microbatches=count))
+        run_passes(cap.gm, ctx, [("global_loss", global_loss)])  # no PlanError
+        assert ctx.notes["loss_kind"] == "mean"
+    want = _token_loss(copy.deepcopy(model)(x), t).detach()
+    for got in _split_numerators(cap, model, x, t, _random_splits(g)):
+        torch.testing.assert_close(got.detach(), want, rtol=1e-12, atol=1e-12)
+
+
+COMBINING = {
+    "moe_capacity_limited": lambda: TokenMoE(capacity=3),
+    "moe_counts_reach_the_output": lambda: TokenMoE(leak=True),
+    "sorted_across_the_batch": lambda: Mixing(lambda h: h.sort(0).values),
+    "cumsum_over_the_batch": lambda: Mixing(lambda h: h.cumsum(0)),
+    "divided_by_the_batch_size": lambda: Mixing(lambda h: h / h.shape[0]),
+    "first_sample_subtracted": lambda: Mixing(lambda h: h - h[:1]),
+    "flipped_batch": lambda: Mixing(lambda h: h.flip(0)),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", list(COMBINING))
+def test_batch_combinations_inside_the_model_are_refused_when_split(name: str) -> None:
+    """Each combines samples (or uses the batch size as a value) before the loss: one
+    shard is exact, a split is not, and dp > 1 or microbatches are refused naming the
+    node (before: several had the batch dim in their shape and were let through)."""
+    if name.startswith("moe"):
+        pytest.importorskip("transformers.integrations.moe")
+    g = torch.Generator().manual_seed(4)
+    torch.manual_seed(0)
+    model = COMBINING[name]().double()
+    x = torch.randn(BATCH, SEQ, HIDDEN, generator=g, dtype=torch.float64)
+    t = torch.randint(0, CLASSES, (BATCH, SEQ), generator=g)
+    cap = capture(model, (x[:4],), _token_loss, (t[:4],))
+    want = _token_loss(copy.deepcopy(model)(x), t).detach()
+    whole, halves = _split_numerators(cap, model, x, t, [[slice(None)], [slice(0, 5),
+                                                                          slice(5, None)]])
+    torch.testing.assert_close(whole.detach(), want)
+    assert not torch.allclose(halves.detach(), want)  # why splitting must be refused
+    for dp, count in [(2, 1), (1, 2)]:
+        ctx = train_context(cap, make_plan(dp=dp, num_microbatches=count))
+        with pytest.raises(ah.PlanError, match="combines the samples"):
+            run_passes(cap.gm, ctx, [("global_loss", global_loss)])
+
+
 # --------------------------------------------------------------------------- batch norm
 
 

@@ -6,7 +6,10 @@ gathered parameters after every step (tests/_equiv.py), under plain SGD and Adam
 schedules are all seven of torch.distributed.pipelining's, at pp 2 and 4, alone and
 composed with dp and tp; the GPTs tie their embedding and output weights, which the
 first and last stage then both hold. Then the split itself: what crosses stages, the
-tied weights' gradient groups, and the errors for bad boundaries.
+tied weights' gradient groups, and the errors for bad boundaries; last, graphs that are not
+pure dataflow (tensors written in place: BART's shifted labels, a block writing into its
+input, a forward writing into the batch) and stage outputs made from parameters alone
+(zero-bubble's split backward), with torch's nn.Transformer.
 """
 from __future__ import annotations
 
@@ -14,12 +17,15 @@ import re
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 import autohybrid as ah
 from _equiv import (OPTIMIZERS, Failures, lm_loss, report, train_and_compare, zoo_batches,
                     zoo_loss, zoo_model)
 from autohybrid.capture import capture
 from autohybrid.errors import PlanError
+from autohybrid.graph import VIEW_OPS, op_name
 from autohybrid.passes import PassContext, passes_for, run_passes
 
 LAUNCH_TIMEOUT_S = 240
@@ -247,3 +253,288 @@ def test_batch_norm_models_are_not_pipelined():
         ah.plan(model, ah.Cluster.local(2), inputs, executable_only=True,
                 constraints=ah.Constraints(pp=2))
     assert ah.plan(model, ah.Cluster.local(2), inputs, executable_only=True).mesh.pp == 1
+
+
+# ============================================================================ in place
+class _Block(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.a = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.a(x)
+        return x + torch.tanh(h if memory is None else h + memory)
+
+
+class ShiftedSeq2Seq(nn.Module):
+    """BART's pattern in small: encoder blocks; the decoder's inputs built in place from
+    the labels (`shift_tokens_right`: new_zeros, a slice written, a column filled,
+    masked_fill_), embedded by the embedding the encoder and the head share (tied) plus
+    learned positions; every decoder block reads the encoder's output; the model computes
+    its own loss from `labels=`."""
+
+    def __init__(self, vocab: int = 24, hidden: int = 16, seq: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.enc = nn.ModuleList(_Block(hidden) for _ in range(2))
+        self.dec_pos = nn.Embedding(seq, hidden)
+        self.dec = nn.ModuleList(_Block(hidden) for _ in range(2))
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.enc:
+            x = block(x)
+        shifted = labels.new_zeros(labels.shape)
+        shifted[:, 1:] = labels[:, :-1].clone()
+        shifted[:, 0] = 2
+        shifted.masked_fill_(shifted == -100, 0)
+        y = self.embed(shifted) + self.dec_pos(torch.arange(labels.shape[1]))
+        for block in self.dec:
+            y = block(y, x)
+        return F.cross_entropy(self.head(y).flatten(0, 1), labels.flatten())
+
+
+class _WritesItsInput(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.a = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x[:, 0] = 0.0  # in place, into the previous block's output
+        return x + torch.tanh(self.a(x))
+
+
+class WritesActivation(nn.Module):
+    """A block that writes into the activation it receives, which the model also read
+    before the write (`skip`)."""
+
+    def __init__(self, hidden: int = 12):
+        super().__init__()
+        self.first = _Block(hidden)
+        self.blocks = nn.ModuleList([_WritesItsInput(hidden), _Block(hidden)])
+        self.head = nn.Linear(hidden, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.first(x)
+        skip = a * 0.5
+        for block in self.blocks:
+            a = block(a)
+        return self.head(a + skip).mean(1)
+
+
+class WritesItsInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2.0)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def _seq2seq_batches(steps: int = 2, batch: int = 4) -> list:
+    g = torch.Generator().manual_seed(5)
+    return [((torch.randint(1, 24, (batch, 8), generator=g),),
+             torch.randint(1, 24, (batch, 8), generator=g)) for _ in range(steps)]
+
+
+def _labels_loss(model, inputs, targets):
+    return model(*inputs, labels=targets)
+
+
+def _in_place_rank(rank: int, world: int) -> list[str]:
+    """The in-place / parameter-only-output patterns and torch's nn.Transformer at pp 2,
+    trained against eager: the shifted decoder inputs read in a later stage than the one
+    the writes were attributed to (GPipe), the decoder embedding alone in a stage that
+    forwards the encoder's output (its output has no received activation upstream: the
+    zero-bubble weight step used to drop the tied embedding's and the positions'
+    gradients), a write into a received activation, and nn.Transformer under zero-bubble
+    (its cross-attention hands back the encoder output's gradient transposed)."""
+    from autohybrid.models import coverage
+    fails = Failures()
+    cases = [
+        ("shifted-labels/gpipe", ShiftedSeq2Seq, ("model.embed#2",), "gpipe", 1, 2, "sgd"),
+        ("shifted-labels/zero-bubble", ShiftedSeq2Seq,
+         ("model.enc.1", "model.embed#2", "model.dec.0"), "zero-bubble", 2, 2, "adamw"),
+    ]
+    for case, cls, boundaries, schedule, v, m, optimizer in cases:
+        torch.manual_seed(0)
+        constraints = ah.Constraints(pp=2, dp=1, tp=1, schedule=schedule, virtual_stages=v,
+                                     num_microbatches=m, stage_boundaries=boundaries)
+        train_and_compare(fails, case, cls().double(), _seq2seq_batches(), world,
+                          loss_fn=None, eager_loss=_labels_loss,
+                          optimizer=OPTIMIZERS[optimizer], constraints=constraints)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(6)
+    batches = [((torch.randn(4, 3, 12, generator=g, dtype=torch.float64),),
+                torch.randint(0, 5, (4,), generator=g)) for _ in range(2)]
+    train_and_compare(fails, "writes-activation/1f1b", WritesActivation().double(), batches,
+                      world, loss_fn=F.cross_entropy, optimizer=OPTIMIZERS["sgd"],
+                      constraints=ah.Constraints(pp=2, dp=1, tp=1, schedule="1f1b",
+                                                 num_microbatches=2,
+                                                 stage_boundaries=("model.blocks.0",)))
+    case = coverage.build("transformer")
+    train_and_compare(fails, "nn.Transformer/zero-bubble", case.model, case.batches[:2], world,
+                      loss_fn=case.loss_fn, optimizer=OPTIMIZERS["sgd"],
+                      constraints=ah.Constraints(pp=2, dp=1, tp=1, schedule="zero-bubble",
+                                                 virtual_stages=2, num_microbatches=2))
+    return fails
+
+
+@pytest.mark.timeout(300)
+def test_in_place_writes_parameter_only_outputs_and_nn_transformer_at_pp2_match_eager():
+    _assert_no_failures(_launch(_in_place_rank, 2))
+
+
+def _chain(split, args: list, inputs: tuple) -> tuple:
+    """The stages run one after the other in this process (no pipeline runtime)."""
+    values = list(inputs)
+    for stage in split.stages:
+        values = list(stage.gm(*values, *[args[i] for i in stage.local_placeholders]))
+    return tuple(values)
+
+
+@pytest.mark.timeout(120)
+def test_split_replays_in_place_writes_of_batch_values_at_every_boundary():
+    """The decoder inputs built in place from the labels: each stage that reads them
+    computes them again with all their writes, wherever the boundary falls (the split
+    used to recompute `new_zeros` and `masked_fill_` in the reading stage but leave the
+    slice writes in the stage of their layer: the decoder embedded zeros). The stages
+    chained in one process give the whole graph's loss and gradients."""
+    import dataclasses
+
+    from autohybrid.passes.pipeline_split import assign_stages
+    from autohybrid.search.layers import segment
+
+    torch.manual_seed(0)
+    model = ShiftedSeq2Seq().double()
+    (tokens,), labels = _seq2seq_batches(1)[0]
+    cap = capture(model, (tokens,), None, (labels,))
+    plan = ah.plan(model, ah.Cluster.local(2), (tokens,), example_targets=(labels,),
+                   constraints=ah.Constraints(pp=2, dp=1, tp=1, schedule="gpipe",
+                                              num_microbatches=1))
+    state = cap.default_state(model)
+    params = [p for p in state.values() if p.requires_grad]
+    args = cap.flat_args(state, (tokens,), (labels,))
+    names = [layer.name for layer in segment(cap.gm)]
+    for boundary in names[1:]:
+        ctx = PassContext(plan=dataclasses.replace(plan, stage_boundaries=(boundary,)),
+                          rank=0, coords=(0, 0, 0))
+        ctx.notes["loss_output_index"] = cap.user_outputs[0]
+        gm = run_passes(cap.gm, ctx, passes_for("train"))
+        split = ctx.notes["pipeline"]
+        whole, piped = gm(*args), _chain(split, args, (tokens,))
+        for what, i in (("numerator", cap.user_outputs[0]), ("denominator", -1)):
+            torch.testing.assert_close(piped[i], whole[i], msg=f"{boundary}: loss {what}")
+        want = torch.autograd.grad(whole[cap.user_outputs[0]], params)
+        got = torch.autograd.grad(piped[cap.user_outputs[0]], params, allow_unused=True)
+        for p, w, g in zip(state, want, got):
+            torch.testing.assert_close(g if g is not None else torch.zeros_like(w), w,
+                                       msg=f"{boundary}: gradient of {p}")
+        # the writes and what they write into share a stage: the one that reads them first
+        stage_of = assign_stages(gm, (boundary,), 2)
+        writes = {stage_of[n] for n in gm.graph.nodes if n.op == "call_function"
+                  and n.name.startswith(("new_zeros", "copy_", "fill_", "masked_fill_"))}
+        assert len(writes) == 1, (boundary, writes)
+
+
+@pytest.mark.timeout(60)
+def test_split_keeps_a_written_activation_with_its_writes_and_earlier_readers():
+    """`a` (made by model.first) is written in place by model.blocks.0 and read before the
+    write (`skip = a * 0.5`): with the boundary at blocks.0, `a`, `skip` and the write run
+    in stage 1 in graph order (stage 0 sends what `a` is computed from), never a write
+    into a tensor received from another stage."""
+    torch.manual_seed(0)
+    model = WritesActivation().double()
+    x = torch.randn(4, 3, 12, dtype=torch.float64)
+    y = torch.randint(0, 5, (4,))
+    cap = capture(model, (x,), F.cross_entropy, (y,))
+    plan = ah.plan(model, ah.Cluster.local(2), (x,), loss_fn=F.cross_entropy,
+                   example_targets=(y,),
+                   constraints=ah.Constraints(pp=2, dp=1, tp=1, schedule="gpipe",
+                                              num_microbatches=1,
+                                              stage_boundaries=("model.blocks.0",)))
+    ctx = PassContext(plan=plan, rank=0, coords=(0, 0, 0))
+    ctx.notes["loss_output_index"] = cap.user_outputs[0]
+    gm = run_passes(cap.gm, ctx, passes_for("train"))
+    first, second = ctx.notes["pipeline"].stages
+    ops = [n.name for n in second.gm.graph.nodes if n.op == "call_function"]
+    assert any(o.startswith("fill_") or o.startswith("copy_") for o in ops), ops
+    assert not any(n.name.startswith(("fill_", "copy_"))
+                   for n in first.gm.graph.nodes), first.gm.code
+    for node in second.gm.graph.nodes:
+        if node.name.startswith(("fill_", "copy_")):
+            base = node.args[0]
+            while base.op == "call_function" and op_name(base) in VIEW_OPS:
+                base = base.args[0]
+            assert base.op != "placeholder", f"{node.name} writes into received {base.name}"
+    args = cap.flat_args(cap.default_state(model), (x.clone(),), (y,))
+    whole = gm(*args)
+    args = cap.flat_args(cap.default_state(model), (x.clone(),), (y,))
+    torch.testing.assert_close(_chain(ctx.notes["pipeline"], args, (x.clone(),))[0], whole[0])
+
+
+@pytest.mark.timeout(60)
+def test_in_place_writes_into_an_input_are_never_pipelined():
+    """Each stage holds its own copy of the batch: a forward that writes into its input
+    cannot be split. The planner does not choose pp for it, a pinned pp=2 is refused
+    before anything runs, and the pass refuses such a plan naming the node."""
+    torch.manual_seed(0)
+    model = WritesItsInput().double()
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 6, dtype=torch.float64)
+    loss = lambda out, t: F.mse_loss(out, t)  # noqa: E731
+    chosen = ah.plan(model, ah.Cluster.local(2), (x,), loss_fn=loss, example_targets=(y,),
+                     executable_only=True)
+    assert chosen.mesh.pp == 1
+    pinned = ah.Constraints(pp=2, dp=1, tp=1)
+    with pytest.raises(ah.NotExecutableError, match=r"mul_.*writes in place into the input"):
+        ah.plan(model, ah.Cluster.local(2), (x,), loss_fn=loss, example_targets=(y,),
+                executable_only=True, constraints=pinned)
+    plan = ah.plan(model, ah.Cluster.local(2), (x,), loss_fn=loss, example_targets=(y,),
+                   constraints=pinned)
+    assert not plan.executable and "writes in place" in " ".join(plan.not_executable_because)
+    cap = capture(model, (x,), loss, (y,))
+    ctx = PassContext(plan=plan, rank=0, coords=(0, 0, 0))
+    ctx.notes["loss_output_index"] = cap.user_outputs[0]
+    with pytest.raises(PlanError, match=r"node 'mul_' \(aten\.mul_\.Tensor"):
+        run_passes(cap.gm, ctx, passes_for("train"))
+
+
+@pytest.mark.timeout(30)
+def test_split_backward_keeps_gradients_of_outputs_made_from_parameters_alone():
+    """torch's split backward (zero-bubble: input step, then weight step) computes a
+    parameter's gradient from what it saved where the parameter's paths meet the stage
+    inputs'; an output made from parameters alone has no such place, so torch drops its
+    gradient on every stage but the first. runtime.pipeline._param_only_grads adds it in
+    the input step: the same gradients as one full backward."""
+    from torch.distributed.pipelining._backward import (stage_backward_input,
+                                                        stage_backward_weight)
+
+    from autohybrid.runtime.pipeline import _param_only_grads
+
+    def run(fix: bool) -> tuple:
+        torch.manual_seed(0)
+        w, pos = nn.Parameter(torch.randn(3, 3)), nn.Parameter(torch.randn(4, 3))
+        received = torch.randn(4, 3, requires_grad=True)
+        outs = [received @ w, pos @ w + pos]          # the second has no input upstream
+        grads = [torch.randn(4, 3), torch.randn(4, 3)]
+        if fix:
+            _param_only_grads(outs, grads, [received], [w, pos])
+        dinputs, groups = stage_backward_input(outs, grads, [received], iter([w, pos]))
+        stage_backward_weight(iter([w, pos]), groups)
+        return dinputs[0], w.grad, pos.grad
+
+    torch.manual_seed(0)
+    w, pos = nn.Parameter(torch.randn(3, 3)), nn.Parameter(torch.randn(4, 3))
+    received = torch.randn(4, 3, requires_grad=True)
+    outs = [received @ w, pos @ w + pos]
+    torch.autograd.backward(outs, [torch.randn(4, 3), torch.randn(4, 3)])
+    full = (received.grad, w.grad, pos.grad)
+    for got, want in zip(run(fix=True), full):
+        torch.testing.assert_close(got, want)
+    dropped = run(fix=False)
+    assert dropped[2] is None or not torch.allclose(dropped[2], full[2])  # torch's own

@@ -5,12 +5,17 @@ contiguously over the ranks of a tp axis: rank r holds global rows
 [vocab_start, vocab_start + V_local). The vocabulary may be padded up to a multiple of
 the axis size; rows at global index >= vocab_size are padding and take no part.
 
-- `autohybrid::vocab_parallel_embedding(ids, weight_shard, vocab_start, axis)`: the
-  rows this rank holds, zeros for ids outside its range: this rank's PARTIAL sum (the
-  pass adds `tp_reduce` after it; nothing is reduced here, `axis` only names the axis the
-  shard is split over). Backward: the gradient of the local weight shard (rows in range
-  get their scatter-added gradient, pad rows zero); ids get none. No `padding_idx`, no
-  `max_norm`: plain `F.embedding` semantics only; ids are not range-checked.
+- `autohybrid::vocab_parallel_embedding(ids, weight_shard, vocab_start, axis,
+  padding_idx=-1)`: the rows this rank holds, zeros for ids outside its range: this
+  rank's PARTIAL sum (the pass adds `tp_reduce` after it; nothing is reduced here, `axis`
+  only names the axis the shard is split over). Backward: the gradient of the local
+  weight shard (rows in range get their scatter-added gradient, pad rows zero); ids get
+  none. `padding_idx` is a GLOBAL row index, as `aten.embedding` takes it (-1: none): the
+  forward is a plain lookup, and tokens equal to it give no gradient, as in
+  `aten.embedding_dense_backward` (ids compared to it as given, so the one rank whose
+  shard holds that row leaves it zero and the others never see it). No `max_norm`, no
+  `scale_grad_by_freq`, no `sparse` (the tp pass refuses them); ids are not
+  range-checked.
 - `autohybrid::vocab_parallel_cross_entropy(logits_shard, target, vocab_start,
   vocab_size, ignore_index, label_smoothing, axis)` -> (loss, lse): the per-token loss of
   `F.cross_entropy(full_logits[..., :vocab_size], target, reduction="none",
@@ -47,30 +52,34 @@ def _local_index(ids: torch.Tensor, start: int, rows: int
 
 @torch.library.custom_op("autohybrid::vocab_parallel_embedding", mutates_args=())
 def vocab_parallel_embedding(ids: torch.Tensor, weight_shard: torch.Tensor,
-                             vocab_start: int, axis: str) -> torch.Tensor:
-    """Rows of the local shard for ids in range, zeros elsewhere (a partial sum over axis)."""
+                             vocab_start: int, axis: str, padding_idx: int = -1
+                             ) -> torch.Tensor:
+    """Rows of the local shard for ids in range, zeros elsewhere (a partial sum over axis);
+    no gradient for ids equal to `padding_idx` (global; -1: none)."""
     local, inside = _local_index(ids, vocab_start, weight_shard.shape[0])
     return F.embedding(local, weight_shard).masked_fill_(~inside.unsqueeze(-1), 0)
 
 
 @vocab_parallel_embedding.register_fake
-def _(ids, weight_shard, vocab_start, axis):
+def _(ids, weight_shard, vocab_start, axis, padding_idx=-1):
     return weight_shard.new_empty((*ids.shape, weight_shard.shape[1]))
 
 
 def _embedding_setup(ctx, inputs, output) -> None:
-    ids, weight_shard, vocab_start, _axis = inputs
+    ids, weight_shard, vocab_start, _axis, padding_idx = inputs
     ctx.save_for_backward(ids)
-    ctx.vocab_start, ctx.rows = vocab_start, weight_shard.shape[0]
+    ctx.vocab_start, ctx.rows, ctx.padding_idx = vocab_start, weight_shard.shape[0], padding_idx
 
 
 def _embedding_backward(ctx, grad):
     (ids,) = ctx.saved_tensors
     local, inside = _local_index(ids, ctx.vocab_start, ctx.rows)
+    if ctx.padding_idx != -1:  # aten.embedding_dense_backward: -1 means none
+        inside = inside & (ids != ctx.padding_idx)
     dim = grad.shape[-1]
     grad = grad.masked_fill(~inside.unsqueeze(-1), 0).reshape(-1, dim)
     grad_weight = grad.new_zeros((ctx.rows, dim)).index_add_(0, local.reshape(-1), grad)
-    return None, grad_weight, None, None
+    return None, grad_weight, None, None, None
 
 
 vocab_parallel_embedding.register_autograd(_embedding_backward, setup_context=_embedding_setup)

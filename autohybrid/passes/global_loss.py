@@ -12,6 +12,13 @@ a constant, views, dtype casts) to one of the reductions in `_MEAN_RULES`. `ctx.
 ["loss_kind"]` becomes "mean" (numerator/denominator), "sum" (numerators add) or
 "opaque" (a loss this pass does not understand: allowed only when the batch is not split).
 
+The identity needs more than a splittable reduction: every value the reduction sums must
+be per-sample. When the batch is split (dp > 1 or microbatches) that is proven over the
+whole graph's dataflow (passes/batch_flow.py: per-token MoE dispatch, masks built from
+the batch's shape and the like are proven; batch statistics, sorts or scans across the
+batch, capacity-limited routing and whatever is not understood are refused, naming the
+node), and buffers updated in place must not depend on the batch.
+
 Example::
 
     gm = global_loss(gm, ctx)
@@ -26,6 +33,7 @@ import torch.fx as fx
 from ..errors import PlanError
 from ..graph import (AH_PASS, AH_ROLE, VAL, op_name, output_node, placeholders,
                      propagate_fake, source_line)
+from .batch_flow import REP, UNKNOWN, BatchFlow, Flow
 from .manager import PassContext
 
 aten = torch.ops.aten
@@ -56,14 +64,14 @@ def global_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     mixed = reduction is not None and not _has_batch_dim(reduction.args[0], _batch_symbols(gm))
     graph = gm.graph
     created: list[fx.Node] = []
+    shards = ctx.plan.mesh.dp * ctx.plan.num_microbatches
+    if shards > 1 and reduction is not None and not mixed:
+        _refuse_sample_mixing(gm, loss, reduction, shards)
     if reduction is None or mixed:
         kind, denominator = "opaque", None
     else:
         kind, denominator = _rewrite(gm, reduction, created)
         loss = out.args[0][index]  # the rewrite replaces the loss node when it is the mean
-    shards = ctx.plan.mesh.dp * ctx.plan.num_microbatches
-    if shards > 1 and reduction is not None and not mixed:
-        _refuse_sample_mixing(gm, loss, reduction, shards)
     if kind == "opaque":
         why = (f" (its final reduction {reduction.name!r} reduces {reduction.args[0].name!r}, "
                "which has no batch dimension left: samples were combined before it, e.g. "
@@ -92,32 +100,62 @@ def global_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 def _refuse_sample_mixing(gm: fx.GraphModule, loss: fx.Node, reduction: fx.Node,
                           shards: int) -> None:
-    """PlanError if any node before the loss's final reduction combines samples.
+    """PlanError unless every value the loss's final reduction reads is per-sample.
 
-    A node whose tensor input has a batch dim but whose output has none (`x.mean(0)`,
-    `x.sum(0)`) computes something of the whole shard, so shards would not add up to the
-    global batch's value (BatchNorm is rewritten to global statistics separately).
+    Shards add up to the whole batch's loss only if each sample's contribution depends
+    on that sample alone: the values the final reduction sums must be, for any split of
+    the batch, the concatenation of the shards' values (`x - x.mean(0)`, batch
+    statistics, a sort across the batch that changes values, capacity-limited routing
+    break that). passes/batch_flow.py proves it over the graph's dataflow (per-token MoE
+    dispatch and masks built from the batch's shape are proven; what it cannot prove is
+    refused); buffers updated in place must not depend on the batch either (training
+    BatchNorm gets global statistics from sync_batch_norm).
     """
-    batch = _batch_symbols(gm)
-    final = {loss, reduction}
-    node = loss
-    while node is not reduction and node.op == "call_function" and node.args:
-        node = node.args[0]
-        final.add(node)
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or node in final:
-            continue
-        out = node.meta.get(VAL)
-        if not isinstance(out, torch.Tensor) or _has_batch_dim(node, batch):
-            continue
-        if any(isinstance(a.meta.get(VAL), torch.Tensor) and _has_batch_dim(a, batch)
-               and a.meta[VAL].dim() > 0 for a in node.all_input_nodes):
-            raise PlanError(
-                f"node {node.name!r} ({op_name(node)}, `{source_line(node)}`) combines the "
-                f"samples of a batch before the loss's final reduction, so {shards} batch shards "
-                "would not give eager's result on the whole batch. Compute per-sample values "
-                "and reduce them once at the end of the loss, or run with dp=1 and one "
-                "microbatch")
+    problem = sample_mixing(gm, loss, reduction)
+    if problem is None:
+        return
+    node, why = problem
+    raise PlanError(
+        f"node {node.name!r} ({op_name(node)}, `{source_line(node)}`) combines the samples "
+        f"of a batch before the loss's final reduction, as far as autohybrid can prove "
+        f"({why}), so {shards} batch shards would not give eager's result on the whole "
+        "batch. Compute per-sample values and reduce them once at the end of the loss, or "
+        "run with dp=1 and one microbatch")
+
+
+def sample_mixing(gm: fx.GraphModule, loss: fx.Node, reduction: fx.Node
+                  ) -> tuple[fx.Node, str] | None:
+    """(node, why) where per-sample dataflow into the loss's final `reduction` (or into
+    a buffer's new value) is not proven, else None."""
+    from .sync_batch_norm import training_batch_norms
+
+    flows = BatchFlow(gm, _batch_symbols(gm), training_batch_norms(gm))
+    name = op_name(reduction)
+    if name in _ELEMENTWISE_LOSSES or name in _CLASS_LOSSES:
+        flow = flows.per_element_loss(reduction)
+    else:
+        flow = flows.flow(_kwargs(reduction)["self"])
+    if flow.kind == UNKNOWN:
+        return flow.culprit, flow.why
+    if not flow.batched or flow.ptr is not None:
+        return reduction, (f"the values it reduces are {flow.kind}, not one per sample"
+                           if flow.ptr is None else "it reduces sample indices")
+    for op, buffer, new in flows.mutations:
+        if isinstance(new, Flow) and new.kind == UNKNOWN:
+            return new.culprit, f"{new.why}; it updates {buffer.name!r} in place"
+        if not isinstance(new, Flow) or new.kind != REP:
+            return op, f"it updates {buffer.name!r} in place with a value that depends on the batch"
+    out = output_node(gm)
+    for value in out.args[0]:
+        if isinstance(value, fx.Node) and value.op != "placeholder" and \
+                isinstance(value.meta.get(VAL), torch.Tensor) and value is not loss:
+            f = flows.flow(value)
+            if f.kind != REP:
+                return (f.culprit if f.kind == UNKNOWN else value), (
+                    f.why if f.kind == UNKNOWN else
+                    "the graph outputs (a buffer's new value) a value that depends on the "
+                    "batch")
+    return None
 
 
 def _batch_symbols(gm: fx.GraphModule) -> set:

@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
+from ..blame import PassFailure
+from ..errors import AutohybridError
 from ..graph import verify
 from ..plan import Plan
 
@@ -91,7 +93,12 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext,
             log.info("pass %s disabled by AUTOHYBRID_DISABLE_PASSES", name)
             continue
         before = len(gm.graph.nodes)
-        result = fn(gm, ctx)
+        try:
+            result = fn(gm, ctx)
+        except AutohybridError:
+            raise
+        except Exception as exc:  # torch's, or a bug of ours: name the pass and node
+            raise PassFailure.of(exc, name) from exc
         if not isinstance(result, fx.GraphModule):
             raise TypeError(f"pass {name!r} returned {type(result).__name__}, not a GraphModule")
         gm = result

@@ -11,8 +11,10 @@ rank's slice of the sequence instead:
 - per-token ops between them (element-wise, norms over the hidden dims, reductions that
   keep the sequence, views that keep it, dropout — with eager's mask, ops/dropout.py)
   run on the slice; a replicated operand that spans the sequence (position embeddings)
-  is sliced (`tp_split`), and parameters read there (norm weights, row biases) go
-  through `tp_copy`, whose backward sums their per-slice gradients over the tp group;
+  is sliced (`tp_split`), and parameters read there (norm weights, row biases) — and any
+  other replicated operand that needs a gradient — go through `tp_copy`, whose backward
+  sums their per-slice gradients over the tp group (without it the gradient would be
+  partial, and the tp_gather / tp_reduce it reaches would drop the other slices' shares);
 - an op that needs the whole sequence otherwise gets it from `tp_gather` (its consumer
   computes the same on every rank, so the gradient is sliced back), as do graph outputs;
 - `sym_size` of a sliced value along the sequence reads the full length (× tp).
@@ -27,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from ..capture import _dim_roles
+from ..cost.compute import grad_nodes
 from ..graph import AH_PASS, AH_ROLE, VAL, fake_mode, new_node, op_name, output_node, refresh_fake
 from ..ops import dropout, tensor_parallel  # noqa: F401  (registers the ops)
 from ..search.sharding import _ELEMENTWISE_PREFIXES, _follow
@@ -58,6 +61,7 @@ class _SequenceRewriter:
         self.wrapped: dict[fx.Node, fx.Node] = {}
         self.whole: dict[fx.Node, fx.Node] = {}
         self.mode = fake_mode(gm)
+        self.needs_grad = grad_nodes(gm)  # values autograd computes gradients of
 
     # ---------------------------------------------------------------- helpers
     def seq_dim(self, node: fx.Node) -> int | None:
@@ -164,7 +168,10 @@ class _SequenceRewriter:
 
     def _local_operands(self, node: fx.Node, d: int) -> None:
         """Replicated operands of a per-token op: parameters get f (summed gradients);
-        tensors spanning the sequence are sliced."""
+        tensors spanning the sequence are sliced; any other operand that needs a gradient
+        (a value computed from parameters, e.g. Gemma's `1 + weight`) gets f too — its
+        gradient on this rank covers only this slice of the sequence, and the
+        tp_gather / tp_reduce it flows back to needs the sum (their contracts)."""
         out = node.meta[VAL]
         combines = op_name(node).startswith(_ELEMENTWISE_PREFIXES) or op_name(node) in _NORMS \
             or op_name(node) == "aten.cat.default"
@@ -175,13 +182,13 @@ class _SequenceRewriter:
                 node.replace_input_with(a, self.summed_grad(a, node))
                 continue
             val = a.meta[VAL]
-            if not combines or not isinstance(out, torch.Tensor):
-                continue
-            dim = d - (out.dim() - val.dim())
-            if dim >= 0 and val.shape[dim] != 1:
+            dim = d - (out.dim() - val.dim()) if isinstance(out, torch.Tensor) else -1
+            if combines and dim >= 0 and val.shape[dim] != 1:
                 with self.graph.inserting_before(node):
                     piece = self.call(ah_ops.tp_split.default, (a, dim, AXIS), like=node)
                 node.replace_input_with(a, piece)
+            elif a in self.needs_grad:
+                node.replace_input_with(a, self.summed_grad(a, node))
 
     def _local_view_sizes(self, node: fx.Node, d: int) -> None:
         """A view of a sliced value: its sequence size argument becomes the slice's."""

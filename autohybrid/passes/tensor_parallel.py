@@ -5,9 +5,10 @@ the generic linears (a linear whose weight the Plan splits is column-parallel), 
 planner and the pass agree by construction. On rank r of the tp group:
 
 - parameters the layout splits become this rank's shard (`ShardSpec`: the split dim,
-  fused projections taken chunk by chunk — q, k, v of a fused qkv — vocabularies padded
-  to a multiple of tp, key/value heads replicated when tp exceeds them, their replicas'
-  gradients summed by `tp_replicated`);
+  fused projections taken block by block — q, k, v of a fused qkv, gate and up of a fused
+  gate_up, whether the graph splits, chunks or slices them apart, blocks of unequal sizes
+  too — vocabularies padded to a multiple of tp, key/value heads replicated when tp
+  exceeds them, their replicas' gradients summed by `tp_replicated`);
 - a column-parallel linear reads its input through `tp_copy` (Megatron's f: identity,
   backward all-reduce); a row-parallel linear computes its partial product, `tp_reduce`
   (g: all-reduce, backward identity) sums it, then its bias is added once;
@@ -20,36 +21,38 @@ planner and the pass agree by construction. On rank r of the tp group:
   for their own samples, so with dp > 1 the masks are per data shard);
 - where a split value meets an op that needs it whole, `tp_gather` joins it (trimming
   vocabulary padding); a replicated operand combined with a split one is sliced
-  (`tp_split`); split graph outputs are gathered.
+  (`tp_split`); split graph outputs are gathered;
+- gradient contracts (search/tp_gradients.py): the layout comes proven — every tp_gather
+  and tp_reduce receives a replicated gradient — and the pass refuses, naming the node,
+  a replicated operand needing a gradient that it would broadcast into a split op (the
+  one source of partial gradients), so a plan that would train wrongly never runs.
 
 `ctx.notes["param_shards"]` maps each split parameter's canonical name to its ShardSpec;
 the runtime slices parameters and gathers them back (full_state_dict) with it.
 """
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
+from ..capture import _WRAPPER_PREFIX
+from ..cost.compute import grad_nodes
 from ..errors import PlanError
-from ..graph import (AH_PASS, AH_ROLE, VAL, fake_mode, new_node, op_name, output_node,
-                     refresh_fake, source_line)
+from ..graph import (AH_PASS, AH_ROLE, VAL, fake_mode, module_path, new_node, op_name,
+                     output_node, refresh_fake, source_line)
 from ..ops import tensor_parallel as tp_ops  # noqa: F401  (registers autohybrid::tp_*)
 from ..ops import dropout, vocab_parallel  # noqa: F401  (registers the ops they define)
-from ..search.sharding import (R, TensorParallelLayout, _CLASS_LOSSES, _ELEMENTWISE_PREFIXES,
-                               _SPLITS, _VIEWS,
-                               _follow, _taken_apart, linear_parts, megatron_layout,
-                               param_key, shard_dim, view_span)
+from ..search.sharding import (R, TensorParallelLayout, _CLASS_LOSSES, _along, _slice_range,
+                               linear_parts, megatron_layout, param_key, shard_dim)
+from ..search.tp_gradients import sliced_operand
 from .manager import PassContext
 
 aten = torch.ops.aten
 ah_ops = torch.ops.autohybrid
 AXIS = "tp"
-#: Ops besides the element-wise ones whose operands line up dim by dim with the output.
-_COMBINING = {"aten.cat.default", "aten.where.self", "aten.scaled_dot_product_attention.default"}
 
 
 # ------------------------------------------------------------------ parameter shards
@@ -57,9 +60,11 @@ _COMBINING = {"aten.cat.default", "aten.where.self", "aten.scaled_dot_product_at
 class ShardSpec:
     """Which part of a full parameter one tp rank holds.
 
-    The parameter's `dim` (full size `size`) holds `chunks` equal blocks (3 for a fused
-    qkv projection); each block is padded to `padded` / `chunks` and split into `ways`
-    equal shards; this rank holds shard `index` of every block, concatenated.
+    The parameter's `dim` (full size `size`) holds `chunks` blocks (3 for a fused qkv
+    projection): equal ones, or of the sizes `blocks` lists (a fused projection taken
+    apart unevenly, e.g. grouped-query q | k | v slices); each equal block is padded to
+    `padded` / `chunks` and every block is split into `ways` equal shards; this rank holds
+    shard `index` of every block, concatenated.
     """
 
     dim: int
@@ -68,10 +73,17 @@ class ShardSpec:
     chunks: int
     ways: int
     index: int
+    blocks: tuple[int, ...] = ()
 
     @property
     def shard_size(self) -> int:
         return self.padded // self.ways
+
+    def block_sizes(self) -> tuple[tuple[int, int], ...]:
+        """(full size, padded size) of each block."""
+        if self.blocks:
+            return tuple((b, b) for b in self.blocks)
+        return ((self.size // self.chunks, self.padded // self.chunks),) * self.chunks
 
     def local(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of the full parameter (a new tensor)."""
@@ -81,29 +93,31 @@ class ShardSpec:
         """This rank's shard from `read(index)`, which returns `full[index]` for a tuple
         of slices: only the rows (or columns) this rank holds are read (sharded
         materialization reads them from the seeded initialization, autohybrid/init.py)."""
-        block = self.size // self.chunks
-        width = self.padded // self.chunks // self.ways
-        lo = self.index * width
-        out = []
-        for c in range(self.chunks):  # this rank's piece of each block; padding is zeros
-            start, stop = c * block + min(lo, block), c * block + min(lo + width, block)
+        out, offset = [], 0
+        for block, padded in self.block_sizes():  # this rank's piece of each block
+            width = padded // self.ways
+            lo = self.index * width
+            start, stop = offset + min(lo, block), offset + min(lo + width, block)
             index = [slice(None)] * ndim
             index[self.dim] = slice(start, stop)
             piece = read(tuple(index))
-            pad = width - (stop - start)
+            pad = width - (stop - start)  # padding is zeros
             if pad:
                 shape = list(piece.shape)
                 shape[self.dim] = pad
                 piece = torch.cat([piece, piece.new_zeros(shape)], self.dim)
             out.append(piece)
+            offset += block
         return torch.cat(out, self.dim).clone()
 
     def gather(self, shards: list[torch.Tensor]) -> torch.Tensor:
         """The full parameter from every shard index's tensor, in index order."""
-        per_chunk = [s.chunk(self.chunks, self.dim) for s in shards]
-        blocks = [torch.cat([p[c] for p in per_chunk], self.dim) for c in range(self.chunks)]
-        block = self.size // self.chunks
-        return torch.cat([b.narrow(self.dim, 0, block) for b in blocks], self.dim)
+        sizes = self.block_sizes()
+        widths = [padded // self.ways for _, padded in sizes]
+        per_chunk = [s.split(widths, self.dim) for s in shards]
+        blocks = [torch.cat([p[c] for p in per_chunk], self.dim).narrow(self.dim, 0, block)
+                  for c, (block, _) in enumerate(sizes)]
+        return torch.cat(blocks, self.dim)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -124,14 +138,23 @@ def tensor_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def _plan_layout(gm: fx.GraphModule, ctx: PassContext) -> TensorParallelLayout:
-    """This graph's layout with the Plan's choices for open (generic) linears."""
+    """This graph's layout with the Plan's choices for open (generic) linears; an open
+    linear the Plan splits whose features (or fused blocks) `tp` does not divide is
+    replicated instead (the planner skips only Megatron's linears for divisibility)."""
     split = {s.node for s in ctx.plan.shardings if s.placement.startswith("shard(")}
     choices = {}
     for node in gm.graph.nodes:
         parts = linear_parts(node)
         if parts is not None and param_key(parts.weight) in split:
             choices[node.name] = "column"
-    return megatron_layout(gm, choices)
+    layout = megatron_layout(gm, choices)
+    tp = ctx.plan.mesh.tp
+    undivided = {linear for key, linear in layout.open_params.items()
+                 if any(b % tp for b in layout.fused_params.get(
+                     key, (layout.shard_sizes.get(key, 0),)))}
+    if not undivided:
+        return layout
+    return megatron_layout(gm, {k: v for k, v in choices.items() if k not in undivided})
 
 
 class _Rewriter:
@@ -146,6 +169,8 @@ class _Rewriter:
         # value → (dim, unpadded full size) for values whose split dim carries padding
         self.padded: dict[fx.Node, tuple[int, int]] = {}
         self.full = {n.name: n.meta.get(VAL) for n in gm.graph.nodes}  # before rewriting
+        self.needs_grad = {n.name for n in grad_nodes(gm)}
+        self.captured_inputs = {n.name: self._input_shapes(n) for n in gm.graph.nodes}
         self.mode = fake_mode(gm)
 
     # ---------------------------------------------------------------- helpers
@@ -164,7 +189,20 @@ class _Rewriter:
                         mode=self.mode, like=like)
 
     def fake(self, node: fx.Node) -> None:
-        refresh_fake(node, self.mode)
+        """Recompute `node`'s fake value from its (rewritten) inputs. A replicated op whose
+        inputs kept their captured shapes keeps its captured value when its fake kernel
+        cannot run again (aten.lstm in float32 calls numel() on symbolic sizes)."""
+        try:
+            refresh_fake(node, self.mode)
+        except RuntimeError:
+            if self.sharded(node) is not None or self._input_shapes(node) != \
+                    self.captured_inputs.get(node.name):
+                raise
+
+    @staticmethod
+    def _input_shapes(node: fx.Node) -> list:
+        return [(tuple(v.shape), v.dtype) if isinstance(v := a.meta.get(VAL), torch.Tensor)
+                else None for a in node.all_input_nodes]
 
     def copy_of(self, x: fx.Node, before: fx.Node) -> fx.Node:
         """x through Megatron's f (one per distinct input)."""
@@ -215,18 +253,20 @@ class _Rewriter:
             full = node.meta[VAL]
             size = int(full.shape[dim])
             ways = self.kv_ways if key in layout.kv_params else tp
-            parts = chunks.get(key, 1)
+            blocks = chunks.get(key, (size,))
             if key in layout.vocab_params:
                 padded = _round_up(size, ways)
             else:
                 padded = size
-                if size % (ways * parts):
+                if any(b % ways for b in blocks):
                     raise PlanError(
                         f"tensor parallelism: dim {dim} of parameter {key!r} (size {size}, "
-                        f"{parts} fused block(s)) does not split over {ways} ranks; choose a tp "
-                        "degree that divides it")
+                        f"fused blocks {list(blocks)}) does not split over the {ways} ranks of "
+                        f"mesh axis {AXIS!r}; choose a tp degree that divides every block")
             index = self.rank // (tp // ways)
-            spec = ShardSpec(dim, size, padded, parts, ways, index)
+            equal = len(set(blocks)) == 1
+            spec = ShardSpec(dim, size, padded, len(blocks), ways, index,
+                             () if equal else tuple(blocks))
             self.specs[key] = spec
             shape = list(full.shape)
             shape[dim] = spec.shard_size
@@ -239,19 +279,17 @@ class _Rewriter:
                 for user in users:
                     user.replace_input_with(node, joined)
 
-    def _fused_chunks(self) -> dict[str, int]:
-        """Column linears whose output is taken apart into equal blocks (fused qkv)."""
-        out = {}
-        for node in self.graph.nodes:
-            if self.layout.linear_roles.get(node.name) != "column":
-                continue
-            parts = linear_parts(node)
-            count = _blocks(node, node.meta[VAL].dim() - 1)
-            if count > 1:
-                for p in (parts.weight, parts.bias):
-                    if p is not None:
-                        out[param_key(p)] = count
-        return out
+    def _fused_chunks(self) -> dict[str, tuple[int, ...]]:
+        """Parameters of column linears whose output is taken apart into blocks (fused
+        qkv / gate_up: split, chunk or slices), with the blocks' full sizes."""
+        if self.layout.fused_kv_params and self.kv_ways < self.tp:
+            name = sorted(self.layout.fused_kv_params)[0]
+            raise PlanError(
+                f"tensor parallelism: the fused projection {name!r} computes attention keys "
+                f"and values for fewer key/value heads than the {self.tp} ranks of mesh axis "
+                f"{AXIS!r}; its key/value blocks cannot be split that far. Choose tp <= the "
+                "number of key/value heads")
+        return dict(self.layout.fused_params)
 
     # ---------------------------------------------------------------- per node
     def _rewrite(self, node: fx.Node) -> None:
@@ -272,14 +310,16 @@ class _Rewriter:
                 param_key(node.args[0]) in self.layout.vocab_params:
             self._embedding(node)
             return
-        if name in _CLASS_LOSSES and self.sharded(node.args[0]) is not None:
+        if name in _CLASS_LOSSES and self.sharded(node.args[0]) is not None \
+                and node.args[0].name not in self.layout.blocks:
             self._class_loss(node)
             return
         if name == "aten.dropout.default" and self.sharded(node.args[0]) is not None \
                 and node.args[0] not in self.padded:
             self._dropout(node)
             return
-        if name == "aten.scaled_dot_product_attention.default" and _sdpa_dropout(node) > 0:
+        if name == "aten.scaled_dot_product_attention.default" and _sdpa_dropout(node) > 0 \
+                and self.sharded(node) is not None:
             self._split_replicated_operands(node, self.sharded(node))
             self._attention_dropout(node)
             return
@@ -329,17 +369,28 @@ class _Rewriter:
 
     def _embedding(self, node: fx.Node) -> None:
         weight, ids = node.args[0], node.args[1]
-        padding_idx = node.args[2] if len(node.args) > 2 else -1
-        if padding_idx not in (-1, None):
-            raise PlanError(
-                f"tensor parallelism: embedding {node.name!r} (`{source_line(node)}`) has "
-                f"padding_idx={padding_idx}; the vocabulary-parallel embedding supports none. "
-                "Build the embedding without padding_idx or pin tp=1")
+        args = dict(zip(("padding_idx", "scale_grad_by_freq", "sparse"), node.args[2:]))
+        args = {**args, **node.kwargs}
+        padding_idx = args.get("padding_idx", -1)  # global row; the op keeps its grad zero
+        # max_norm: F.embedding renormalizes the rows it reads in place first (global ids)
+        readers = [weight, *(u for u in weight.users if op_name(u) == "aten.detach.default")]
+        args["max_norm"] = any(op_name(u) == "aten.embedding_renorm_.default"
+                               for r in readers for u in r.users)
+        for flag in ("scale_grad_by_freq", "sparse", "max_norm"):
+            if args.get(flag):
+                where = module_path(node).removeprefix(_WRAPPER_PREFIX) or node.name
+                has, fix = (("max_norm", "without max_norm") if flag == "max_norm"
+                            else (f"{flag}=True", f"with {flag}=False"))
+                raise PlanError(
+                    f"tensor parallelism: embedding {where!r} (`{source_line(node)}`) has "
+                    f"{has}, which the vocabulary-parallel embedding on mesh axis "
+                    f"{AXIS!r} does not compute; build it {fix} or pin tp=1")
         spec = self.specs[param_key(weight)]
         start = spec.index * spec.shard_size
         with self.graph.inserting_before(node):
             partial = self.call(ah_ops.vocab_parallel_embedding.default,
-                                (ids, weight, start, AXIS), like=node)
+                                (ids, weight, start, AXIS, -1 if padding_idx is None
+                                 else int(padding_idx)), like=node)
             reduced = self.call(ah_ops.tp_reduce.default, (partial, AXIS), like=node)
         node.replace_all_uses_with(reduced)
         self.graph.erase_node(node)
@@ -428,28 +479,34 @@ class _Rewriter:
         self.graph.erase_node(node)
 
     def _split_replicated_operands(self, node: fx.Node, out_dim: int) -> None:
-        """Slice replicated operands that span the split dim (broadcast ones need not)."""
-        name = op_name(node)
-        if not (name.startswith(_ELEMENTWISE_PREFIXES) or name in _COMBINING):
-            return
-        out = node.meta[VAL]
-        if not isinstance(out, torch.Tensor):
-            return
-        attention = op_name(node) == "aten.scaled_dot_product_attention.default"
-        mask = (node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")) \
-            if attention else None
+        """Slice replicated operands that span the split dim (tp_split); a replicated
+        operand broadcast along it must not need a gradient (it would be partial: each
+        rank's share of a sum over its shard — the layout's proof excludes this)."""
         for a in node.all_input_nodes:
-            val = a.meta.get(VAL)
-            if self.sharded(a) is not None or not isinstance(val, torch.Tensor):
+            if self.sharded(a) is not None or not isinstance(a.meta.get(VAL), torch.Tensor):
                 continue
-            if attention and a is not mask:
-                continue  # q, k, v arrive split; only a mask can be replicated
-            dim = out_dim - (out.dim() - val.dim())
-            if dim < 0 or val.shape[dim] == 1:
+            if not sliced_operand(node, a, out_dim):
+                self._check_gradient_contract(node, a)
                 continue
+            dim = out_dim - (node.meta[VAL].dim() - a.meta[VAL].dim())
             with self.graph.inserting_before(node):
                 piece = self.call(ah_ops.tp_split.default, (a, dim, AXIS), like=node)
             node.replace_input_with(a, piece)
+
+    def _check_gradient_contract(self, node: fx.Node, operand: fx.Node) -> None:
+        """Refuse (before anything runs) a replicated operand that needs a gradient and
+        is broadcast into split op `node`: its gradient would be partial, and the tp_gather
+        or tp_reduce it flows back to would lose the other ranks' shares."""
+        if operand.name not in self.needs_grad:
+            return
+        where = module_path(node).removeprefix(_WRAPPER_PREFIX) or "the top module"
+        raise PlanError(
+            f"tensor parallelism: replicated operand {operand.name!r} of split op "
+            f"{node.name!r} (module {where}, `{source_line(node)}`) needs a gradient but is "
+            f"broadcast along the shard dim on mesh axis {AXIS!r}: each rank's gradient "
+            "would be only its shard's share, and no collective's backward sums it. The "
+            "layout should have replicated this region (a bug in the sharding search); "
+            "pin tp=1 and report the model")
 
     def _local_sizes(self, node: fx.Node, out_dim: int) -> None:
         """Shape arguments of views, expands and splits, made local."""
@@ -483,6 +540,12 @@ class _Rewriter:
                 # key/value head to fewer query heads
                 shape[nxt] = shape[nxt] * ways // self.tp
             node.args = (src, shape, *node.args[2:])
+        elif name == "aten.slice.Tensor" and _along(node, src) == self.sharded(src):
+            # a block of a fused projection: this rank's part of it (sizes divide by ways)
+            size = int(self.full[src.name].shape[self.sharded(src)])
+            start, end = _slice_range(node, size)
+            ratio = self._numel_ratio(src)
+            node.args = (src, node.args[1], start // ratio, end // ratio)
         elif name in ("aten.split.Tensor", "aten.split_with_sizes.default"):
             along = (node.args[2] if len(node.args) > 2 else 0) % self.full[src.name].dim()
             if along == self.sharded(src):
@@ -493,12 +556,22 @@ class _Rewriter:
                 node.args = (src, sizes, *node.args[2:])
 
     def _numel_ratio(self, node: fx.Node) -> int:
-        """Elements of the full value over those of this rank's (static dims only: tp
-        never splits batch or sequence)."""
+        """Elements of the full value over those of this rank's, over the dims static in
+        both (tp never splits batch or sequence; an op's fake kernel may make a symbolic
+        batch concrete — aten.lstm does — so a dim symbolic on either side is skipped:
+        issue 17 E7). Key/value heads replicated over tp / kv ranks make this more than
+        the split dim's ratio (their expand shrinks the query-group dim too)."""
         full, local = self.full[node.name], node.meta[VAL]
-        whole = math.prod(int(s) for s in full.shape if not isinstance(s, torch.SymInt))
-        mine = math.prod(int(s) for s in local.shape if not isinstance(s, torch.SymInt))
-        return max(1, whole // mine)
+        if full.dim() != local.dim():
+            raise PlanError(
+                f"tensor parallelism: node {node.name!r} (`{source_line(node)}`) changed rank "
+                f"under the tp rewrite ({tuple(full.shape)} → {tuple(local.shape)}); pin tp=1 "
+                "and report the model")
+        whole = mine = 1
+        for a, b in zip(full.shape, local.shape):
+            if not isinstance(a, torch.SymInt) and not isinstance(b, torch.SymInt):
+                whole, mine = whole * int(a), mine * int(b)
+        return max(1, whole // mine) if mine else 1
 
     def _track_padding(self, node: fx.Node) -> None:
         """Views and element-wise ops of padded logits keep the padding (same dim size)."""
@@ -513,30 +586,3 @@ def _sdpa_dropout(node: fx.Node) -> float:
     if len(node.args) > 4:
         return float(node.args[4])
     return float(node.kwargs.get("dropout_p", 0.0))
-
-
-def _blocks(node: fx.Node, dim: int, budget: int = 16) -> int:
-    """How many equal blocks the graph takes dim `dim` of `node` apart into (1: none):
-    a split/chunk along it, or a view into (count, ...) whose count dim is unbound."""
-    frontier = [(node, dim)]
-    while frontier and budget > 0:
-        current, d = frontier.pop()
-        budget -= 1
-        val = current.meta.get(VAL)
-        for user in current.users:
-            name = op_name(user)
-            if name in ("aten.split.Tensor", "aten.chunk.default",
-                        "aten.split_with_sizes.default"):
-                along = (user.args[2] if len(user.args) > 2 else 0) % val.dim()
-                if along == d:
-                    sizes = {str(o.shape[d]) for o in user.meta[VAL]}
-                    return len(user.meta[VAL]) if len(sizes) == 1 else 1
-                continue
-            if name in _VIEWS:
-                span = view_span(val, user.meta[VAL], d)
-                if span and len(span) > 1 and _taken_apart(user, span[0]):
-                    return int(user.meta[VAL].shape[span[0]])
-            moved = _follow(user, current, d)
-            if isinstance(moved, int):
-                frontier.append((user, moved))
-    return 1

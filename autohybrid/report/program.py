@@ -2,9 +2,10 @@
 HTML report draws.
 
 `plan.model_ref` names the model the plan was made for (a MODEL string:
-models/spec.py); `rank_program(plan, rank)` rebuilds it on the meta device, checks that
-its graph is the one planned (`plan.model_hash`), captures the training graph with its
-loss and runs every pass for `rank` under torch's fake process group (no process is
+models/spec.py); `rank_program(plan, rank)` rebuilds it on the meta device, captures the
+training graph with its loss, checks that the graph planned (`plan.model_hash`: that
+training graph, or the forward graph for a plan made without targets) is this model's,
+and runs every pass for `rank` under torch's fake process group (no process is
 started, nothing is allocated: runtime/dry_run.py), keeping the graph after each pass.
 """
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Sequence
 
 import torch.fx as fx
 
-from ..capture import CapturedGraph, capture
+from ..capture import CapturedGraph, capture, model_hashes
 from ..errors import PlanError
 from ..graph import AH_PARAM, AH_ROLE, op_name
 from ..models import spec as model_spec
@@ -77,13 +78,21 @@ def rebuild(plan: Plan) -> model_spec.Workload:
     return model_spec.parse(plan.model_ref).build(device="meta")
 
 
-def check_model(plan: Plan, workload: model_spec.Workload) -> None:
-    """Refuse a model whose forward graph is not the one the plan was made for."""
-    forward = capture(workload.model, workload.inputs, with_loss=False)
-    if forward.hash != plan.model_hash:
-        raise PlanError(f"the model rebuilt from {plan.model_ref!r} has graph "
-                        f"{forward.hash}, the plan was made for {plan.model_hash}: the "
-                        "model's code or arguments changed since; plan it again")
+def check_model(plan: Plan, workload: model_spec.Workload,
+                train: CapturedGraph | None = None) -> None:
+    """Refuse a model whose graph is not the one the plan was made for: its training
+    graph (`train`, captured if not given) or, for a plan made without targets, its
+    forward graph (capture.model_hashes)."""
+    if train is None and workload.targets is not None:
+        train = capture(workload.model, workload.inputs, workload.loss_fn, workload.targets)
+    forward = lambda: capture(workload.model, workload.inputs, with_loss=False)  # noqa: E731
+    hashes = (model_hashes(plan.model_hash, train, forward) if train is not None
+              else model_hashes(plan.model_hash, forward()))
+    if plan.model_hash not in hashes.values():
+        mine = ", ".join(f"{what} {h}" for what, h in hashes.items())
+        raise PlanError(f"the model rebuilt from {plan.model_ref!r} has graph hashes "
+                        f"{mine}; the plan was made for {plan.model_hash}: the model's code "
+                        "or arguments changed since; plan it again")
 
 
 def rank_programs(plan: Plan, ranks: Sequence[int] | None = None,
@@ -100,9 +109,9 @@ def rank_programs(plan: Plan, ranks: Sequence[int] | None = None,
             raise PlanError(f"rank {rank} is outside the plan's {plan.world_size} ranks "
                             f"(0..{plan.world_size - 1})")
     workload = workload or rebuild(plan)
-    if check:
-        check_model(plan, workload)
     train = capture(workload.model, workload.inputs, workload.loss_fn, workload.targets)
+    if check:
+        check_model(plan, workload, train)
     out = []
     for rank in ranks:
         snapshots: list[tuple[str, dict[str, fx.GraphModule]]] = []

@@ -1,8 +1,10 @@
-"""What the runtime can execute today: the one place `ah.compile`'s search consults.
+"""What the runtime can execute today: the features `ah.compile`'s search consults.
 
 `ah.plan` may rank plans with other features and marks them; `ah.compile` searches only
 among plans for which `unsupported(plan)` is empty, and refuses a pinned constraint or a
-saved plan that needs a missing feature with `NotExecutableError`.
+saved plan that needs a missing feature with `NotExecutableError`. A feature being here
+is necessary, not sufficient: the search also runs the passes of the plan it would
+choose on the model's graph (runtime/dry_run.PassTrial) and drops a plan they reject.
 """
 from __future__ import annotations
 

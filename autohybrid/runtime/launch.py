@@ -25,6 +25,7 @@ import contextlib
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -153,7 +154,7 @@ def _child(rank: int, ws: int, backend: str, device_type: str, port: int, store:
         if not reported:
             reported = True
             with contextlib.suppress(Exception):
-                conn.send(("err", traceback.format_exc(), time.time()))
+                _send(conn, ("err", traceback.format_exc(), time.time()))
 
     def guarded_main(rank: int, *args: Any) -> Any:
         try:
@@ -165,12 +166,19 @@ def _child(rank: int, ws: int, backend: str, device_type: str, port: int, store:
     try:
         result = _run_in_this_process(guarded_main, rank, ws, backend, device_type,
                                       f"file://{store}", args)
-        conn.send(("ok", result, time.time()))
+        _send(conn, ("ok", result, time.time()))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         report_error()
         raise SystemExit(1)
     finally:
         conn.close()
+
+
+def _send(conn: Any, message: tuple) -> None:
+    """Send with the standard pickle: tensors travel as bytes. (multiprocessing's own
+    pickler, with torch imported, sends a tensor as a handle to this process's shared
+    memory, which is gone once the rank exits: the parent then got nothing.)"""
+    conn.send_bytes(pickle.dumps(message))
 
 
 def _signal_group(p: Any, sig: int) -> None:
@@ -287,7 +295,7 @@ def _launch_children(main: Callable[..., T], ws: int, backend: str, device_type:
 
             def read(conn: Any) -> None:
                 try:
-                    kind, payload, when = conn.recv()
+                    kind, payload, when = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
                     del conns[conn]
                     return

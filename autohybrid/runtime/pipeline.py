@@ -27,6 +27,14 @@ The dp gradient buckets are launched while the schedule runs (runtime/reducer.py
 (`backward_done`, what the reducer's launch events record) and report each
 weight-gradient step of the zero-bubble schedules to `grad_listener` (the reducer),
 since torch accumulates those gradients without firing the parameters' hooks.
+
+Two gaps of torch's split backward (input step, then weight step; the zero-bubble
+schedules) are closed in `_Stage`: a stage output computed from parameters alone (no
+received activation that needs a gradient upstream: BART's decoder embeddings in a stage
+that forwards the encoder's output) would lose its parameters' gradients on every stage
+but the first (`_param_only_grads` adds them in the input step), and the input gradients
+it sends back are made contiguous (autograd.grad returns them in the layout the first
+op's backward made; gloo and NCCL send contiguous tensors only).
 """
 from __future__ import annotations
 
@@ -122,6 +130,20 @@ class _Stage(tpp.PipelineStage):
         self._runner.backward_done += 1
         return out
 
+    def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict,
+                                   last_backward: bool = False):
+        if backward_type == "input":  # the split backward's input step (zero-bubble)
+            _param_only_grads(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
+                              bwd_kwargs["input_values"], list(self.submod.parameters()))
+        grads, param_groups = super().backward_maybe_with_nosync(backward_type, bwd_kwargs,
+                                                                 last_backward)
+        # the input gradients go to the previous stage as they are, and the send needs them
+        # contiguous: the input step's come from autograd.grad in whatever layout the
+        # first op's backward made (nn.MultiheadAttention's cross-attention: the grad of
+        # the encoder output `memory` arrives transposed), not through AccumulateGrad
+        grads = tuple(g.contiguous() if isinstance(g, torch.Tensor) else g for g in grads)
+        return grads, param_groups
+
     def backward_weight_one_chunk(self, *args: Any, **kwargs: Any):
         listener = self._runner.grad_listener
         with (listener.weight_step(self.submod.parameters()) if listener is not None
@@ -129,6 +151,55 @@ class _Stage(tpp.PipelineStage):
             out = super().backward_weight_one_chunk(*args, **kwargs)
             self._runner.backward_done += 1
         return out
+
+
+def _param_only_grads(outputs: Sequence[Any], output_grads: Sequence[Any] | None,
+                      inputs: Sequence[Any], params: list[nn.Parameter]) -> None:
+    """Accumulate the parameter gradients that flow through stage outputs computed from
+    parameters (and the batch) alone, without a received activation that needs a gradient
+    upstream: BART's decoder embeddings (tied weights, learned positions) in a stage that
+    also forwards the encoder's output.
+
+    torch's split backward (`stage_backward_input` / `stage_backward_weight`, the
+    zero-bubble schedules) computes a parameter's gradient in the weight step from the
+    gradients saved at the nodes where its paths meet the stage inputs' (pipelining/
+    _backward.py, `get_param_groups`); a path reaching an output without meeting them
+    has no such node, and its gradient was silently dropped (torch works around it for
+    the first stage only, by a full backward). Such an output's graph joins no input's,
+    so no node of it is in a saved parameter group: its gradients are computed here, in
+    the input step, once, before the graph is freed."""
+    from torch.distributed.pipelining._backward import (
+        _get_grad_fn_or_grad_acc, construct_reverse_graph, reverse_closure)
+
+    valid = []
+    for i, out in enumerate(outputs):
+        if not isinstance(out, torch.Tensor) or (not out.requires_grad and out.grad_fn is None):
+            continue
+        grad = torch.ones_like(out) if output_grads is None else output_grads[i]
+        fn = _get_grad_fn_or_grad_acc(out)
+        if grad is not None and fn is not None:
+            valid.append((out, grad, fn))
+    if not valid:
+        return
+    reverse = construct_reverse_graph([fn for _, _, fn in valid])
+    roots = [fn for fn in (_get_grad_fn_or_grad_acc(t) for t in inputs
+                           if isinstance(t, torch.Tensor) and t.requires_grad)
+             if fn is not None]
+    reached, _ = reverse_closure(roots, set(), reverse)
+    alone = [(out, grad) for out, grad, fn in valid if fn not in reached]
+    wanted = [p for p in params if p.requires_grad]
+    if not alone or not wanted:
+        return
+    grads = torch.autograd.grad([o for o, _ in alone], wanted, [g for _, g in alone],
+                                retain_graph=True, allow_unused=True)
+    with torch.no_grad():
+        for param, grad in zip(wanted, grads):
+            if grad is None:
+                continue
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad += grad
 
 
 class PipelineRunner:

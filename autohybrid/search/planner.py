@@ -10,7 +10,10 @@ each, where they price differently).
 Pruning: for each ZeRO stage, more recomputation is only tried when less does not fit
 (it only adds time); layer times and the stage split are cached per microbatch shape. Candidates the
 runtime cannot execute are priced too (so `ah.plan` can show them) and marked;
-`ah.compile` passes `executable_only=True`.
+`ah.compile` passes `executable_only=True`, and with it a trial: executable means
+executed, so the best candidates are rewritten for one rank on fake process groups
+(runtime/dry_run.PassTrial), best first, until the passes accept one; those they reject
+lose with the pass's reason (`plan.alternatives`).
 """
 from __future__ import annotations
 
@@ -54,6 +57,9 @@ class PlanRequest:
     constraints: Constraints = Constraints()
     model_ref: str | None = None
     has_batch_norm: bool = False
+    #: why the graph cannot be cut into pipeline stages (passes/pipeline_split.py,
+    #: `pipeline_blockers`): every pp > 1 layout is then not executable
+    pp_blockers: tuple[str, ...] = ()
     calibration_hash: str | None = None
 
 
@@ -62,6 +68,8 @@ class Candidate:
     layout: Layout
     priced: Priced
     unsupported: tuple[str, ...]
+    #: why the passes rejected its plan (search's trial), None when not rejected
+    rejected: str | None = None
 
     @property
     def executable(self) -> bool:
@@ -86,8 +94,15 @@ class Candidate:
 
 
 def search(profile: ModelProfile, cluster, request: PlanRequest,
-           unsupported: Callable[[Plan], list[str]], executable_only: bool) -> Plan:
-    """The fastest fitting plan (executable ones only when asked), with alternatives."""
+           unsupported: Callable[[Plan], list[str]], executable_only: bool,
+           trial: Callable[[Plan], str | None] | None = None) -> Plan:
+    """The fastest fitting plan (executable ones only when asked), with alternatives.
+
+    `trial(plan)` (None, or why not) says whether the passes accept the graph under a
+    plan (runtime/dry_run.PassTrial: one rank rewritten on fake process groups). With
+    it, candidates are tried best first and the first one accepted is chosen; the
+    faster ones it rejected stay in `plan.alternatives` with the pass's reason, and
+    NotExecutableError lists the reasons when it rejects every candidate that fits."""
     start = time.perf_counter()
     checker = _Executability(cluster, request, unsupported)
     if executable_only:
@@ -125,13 +140,43 @@ def search(profile: ModelProfile, cluster, request: PlanRequest,
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         raise NoPlanFitsError(_no_fit_message(candidates, cluster, skipped))
-    best = min(fitting, key=_rank_key)
-    plan = _make_plan(best, profile, cluster, request, checker.placement(best.layout.mesh),
-                      checker.cluster_hash)
+    best, plan, candidates = _choose(fitting, candidates, profile, cluster, request,
+                                     checker, trial)
     plan = replace(plan, alternatives=_alternatives(best, candidates))
     log.info("priced %d candidates (%d fit) in %.3f s; chose %s", len(candidates),
              len(fitting), time.perf_counter() - start, best.summary())
     return plan
+
+
+def _choose(fitting: list[Candidate], candidates: list[Candidate], profile: ModelProfile,
+            cluster, request: PlanRequest, checker: "_Executability",
+            trial: Callable[[Plan], str | None] | None
+            ) -> tuple[Candidate, Plan, list[Candidate]]:
+    """The best fitting candidate the trial accepts (executable ones are tried; without
+    a trial, the best), its plan, and the candidates with the rejected ones marked."""
+    rejected: dict[int, str] = {}
+    chosen = plan = None
+    for c in sorted(fitting, key=_rank_key):
+        plan = _make_plan(c, profile, cluster, request, checker.placement(c.layout.mesh),
+                          checker.cluster_hash)
+        problem = trial(plan) if trial is not None and c.executable else None
+        if problem is None:
+            chosen = c
+            break
+        rejected[id(c)] = problem
+    if chosen is None:
+        reasons = list(dict.fromkeys(rejected.values()))
+        raise NotExecutableError(
+            f"the passes reject every candidate plan that fits ({len(fitting)} candidates): "
+            + "; ".join(reasons[:3]) + (f"; and {len(reasons) - 3} more" if len(reasons) > 3
+                                        else ""))
+    if not rejected:
+        return chosen, plan, candidates
+    marked = [replace(c, unsupported=c.unsupported + (f"rejected by the passes: "
+                                                      f"{rejected[id(c)]}",),
+                      rejected=rejected[id(c)]) if id(c) in rejected else c
+              for c in candidates]
+    return chosen, plan, marked
 
 
 def _rank_key(c: Candidate) -> tuple:
@@ -352,6 +397,8 @@ class _Executability:
                 reasons.append("pipeline parallelism of a model with BatchNorm in training "
                                "mode (its running statistics are buffers the stages would "
                                "mutate)")
+            if self.request.pp_blockers and layout.mesh.pp > 1:
+                reasons.extend(self.request.pp_blockers)
             self._reasons[key] = reasons
         return self._reasons[key]
 
@@ -404,6 +451,8 @@ def _alternatives(best: Candidate, candidates: list[Candidate]) -> tuple[Alterna
     """The best candidate of every other mesh shape / schedule, with why it lost."""
     by_shape: dict[tuple, Candidate] = {}
     for c in sorted(candidates, key=lambda c: (not c.fits, _rank_key(c))):
+        if c.rejected is not None:
+            continue
         key = (c.layout.mesh, c.layout.schedule if c.layout.mesh.pp > 1 else "none")
         by_shape.setdefault(key, c)
     out = []
@@ -411,7 +460,10 @@ def _alternatives(best: Candidate, candidates: list[Candidate]) -> tuple[Alterna
     others = [c for c in by_shape.values() if c is not best]
     # the faster layouts that did not fit come first: they say why the plan is not faster
     faster = [c for c in candidates if not c.fits and c.step < base]
-    chosen = sorted(faster, key=_rank_key)[:2]
+    # the candidates the passes rejected come first: why the plan is not the fastest
+    refused = sorted((c for c in candidates if c.rejected is not None), key=_rank_key)
+    chosen = refused[:4]
+    chosen += sorted(faster, key=_rank_key)[:2]
     chosen += sorted(others, key=lambda c: (not c.fits, _rank_key(c)))[:8 - len(chosen)]
     for c in chosen:
         p = c.priced.prediction
@@ -421,7 +473,9 @@ def _alternatives(best: Candidate, candidates: list[Candidate]) -> tuple[Alterna
         else:
             delta = (c.step / base - 1) * 100 if base else 0.0
             reason = f"{delta:+.1f} % step time"
-            if not c.executable:
+            if c.rejected is not None:
+                reason += f"; rejected by the passes: {c.rejected}"
+            elif not c.executable:
                 reason += "; not executable yet: " + _short(c.unsupported)
         out.append(Alternative(summary=c.summary(), step_time_s=c.step,
                                memory_per_rank_bytes=p.memory_per_rank_bytes, fits=c.fits,

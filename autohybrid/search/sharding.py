@@ -20,12 +20,29 @@ whatever resharding its consumers then need, or replicated. `choose_layout` take
 cheapest consistent choice under a per-token cost (`Rates`: compute, memory-bound ops and
 tp-link transfers of forward and backward), starting from Megatron's assignment.
 
+Fused projections: a column linear whose output the graph takes apart along the feature
+dim — `split` / `chunk`, slices that tile it (`qkv[..., :q]`, `qkv[..., q:q + kv]`, ...)
+or a view into (count, ...) whose count dim is unbound — is split block by block (each rank
+holds its shard of every block), so each piece is an ordinary column-parallel output. A
+sharded value whose local shard is such a concatenation is *blocked* (`layout.blocks`); an
+op that would misread it (a row linear, a split into other pieces, a replicated operand
+sliced contiguously) needs it whole instead.
+
+Every layout carries a proof of its gradient semantics (search/tp_gradients.py): each
+collective's backward contract holds for its consumers (`tp_gather` / `tp_reduce` need the
+gradient of their output replicated — the same on every tp rank — and so do replicated
+parameters, whose gradients tp never sums). A layout whose gradients the proof cannot
+establish is never returned: `megatron_layout` replicates the column linears whose sharding
+makes a gradient partial and recomputes (`layout.replicated_for_gradients` says which, and
+why).
+
 Placements use DTensor's vocabulary: "replicate", "shard(d)", "partial". The result is
 independent of the tp degree (divisibility is checked by the planner; vocabularies that do
 not divide are padded), so it is computed once per graph.
 """
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 
@@ -34,6 +51,7 @@ import torch
 import torch.fx as fx
 
 from ..cost.compute import nbytes_expr, sym_expr
+from ..errors import PlanError
 from ..graph import AH_PARAM, AH_ROLE, VAL, op_name
 
 R = "replicate"
@@ -47,6 +65,9 @@ _SPLITS = {"aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.def
 #: The class loss a vocabulary-parallel cross-entropy replaces (computed from logits; an
 #: nll_loss reads log-probabilities, whose log-softmax needs the whole vocabulary anyway).
 _CLASS_LOSSES = {"aten.cross_entropy_loss.default"}
+#: Ops besides the element-wise ones whose operands line up dim by dim with the output
+#: (the tp pass slices their replicated operands that span the shard dim).
+_BROADCASTING = {"aten.cat.default", "aten.where.self"}
 _ELEMENTWISE_PREFIXES = ("aten.add.", "aten.sub.", "aten.mul.", "aten.div.", "aten.gelu.",
                          "aten.silu.", "aten.relu.", "aten.tanh.", "aten.sigmoid.",
                          "aten.dropout.", "aten.neg.", "aten.pow.", "aten.exp.",
@@ -137,6 +158,16 @@ class TensorParallelLayout:
     vocab: int | None = None                             # the vocabulary size they split
     open: list[str] = field(default_factory=list)        # generic linears: cost decides
     shard_sizes: dict[str, int] = field(default_factory=dict)  # param → size of split dim
+    #: sharded value → full sizes of the blocks its shard concatenates (fused projections)
+    blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    fused_params: dict[str, tuple[int, ...]] = field(default_factory=dict)  # param → blocks
+    fused_kv_params: set[str] = field(default_factory=set)  # fused ones computing k / v too
+    open_params: dict[str, str] = field(default_factory=dict)  # param → its open linear
+    #: column linears replicated because their sharding broke a gradient contract → why
+    replicated_for_gradients: dict[str, str] = field(default_factory=dict)
+    #: replicated node → (origin op, operand) of the partial gradient it would receive;
+    #: empty for every layout megatron_layout returns (the proof holds)
+    partial_grads: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def is_sharded(self, node: fx.Node) -> bool:
         return self.placements.get(node.name, R) != R
@@ -149,11 +180,13 @@ def _val(node) -> torch.Tensor | None:
     return None
 
 
-def _flows_to_consumer_that_shards(node: fx.Node, dim: int, budget: int = 64) -> bool:
-    """Does a value sharded on `dim` reach a row linear, attention or the loss first?"""
-    frontier, seen = [(node, dim)], set()
+def _flows_to_consumer_that_shards(node: fx.Node, dim: int, blocks: tuple[int, ...] = (),
+                                   budget: int = 64) -> bool:
+    """Does a value sharded on `dim` (with `blocks`) reach a row linear, attention or the
+    loss first?"""
+    frontier, seen = [(node, dim, blocks)], set()
     while frontier and budget > 0:
-        current, d = frontier.pop()
+        current, d, b = frontier.pop()
         budget -= 1
         for user in current.users:
             if user in seen:
@@ -164,16 +197,13 @@ def _flows_to_consumer_that_shards(node: fx.Node, dim: int, budget: int = 64) ->
                 continue
             parts = linear_parts(user)
             if parts is not None and parts.x is current:
-                return d == _val(current).dim() - 1
+                return d == _val(current).dim() - 1 and not b
             if name in _CLASS_LOSSES or name == "aten.scaled_dot_product_attention.default":
-                return True
-            moved = _follow(user, current, d)
+                return not b
+            moved = follow_blocked(user, current, d, b)
             if moved is None:
                 return False
-            if isinstance(moved, list):
-                frontier.extend(moved)
-            else:
-                frontier.append((user, moved))
+            frontier.append((user, *moved))
     return False
 
 
@@ -290,14 +320,195 @@ def _taken_apart(node: fx.Node, dim: int, budget: int = 8) -> bool:
     return False
 
 
+# ------------------------------------------------------------------ fused blocks
+_SPLIT_PIECES = {"aten.split.Tensor", "aten.split_with_sizes.default", "aten.chunk.default"}
+
+
+def _static(size) -> int | None:
+    """A dim size as an int, None when symbolic."""
+    return None if isinstance(size, torch.SymInt) else int(size)
+
+
+def _slice_range(node: fx.Node, size: int) -> tuple[int, int] | None:
+    """The [start, end) an `aten.slice.Tensor` node takes of a dim of `size` (step 1
+    only; None otherwise or when a bound is symbolic)."""
+    args = list(node.args) + [None] * (5 - len(node.args))
+    start, end, step = args[2], args[3], args[4]
+    start = node.kwargs.get("start", start)
+    end = node.kwargs.get("end", end)
+    step = node.kwargs.get("step", step)
+    if (step or 1) != 1 or isinstance(start, (fx.Node, torch.SymInt)) or \
+            isinstance(end, (fx.Node, torch.SymInt)):
+        return None
+    start, end = 0 if start is None else int(start), size if end is None else int(end)
+    start, end = (start + size if start < 0 else start), (end + size if end < 0 else end)
+    return max(0, min(start, size)), max(0, min(end, size))
+
+
+def _along(node: fx.Node, src: fx.Node) -> int | None:
+    """The dim a slice / split / chunk node works along (normalized), else None."""
+    name = op_name(node)
+    if name not in _SPLIT_PIECES and name != "aten.slice.Tensor":
+        return None
+    val = _val(src)
+    if val is None:
+        return None
+    along = node.args[1 if name == "aten.slice.Tensor" else 2] \
+        if len(node.args) > (1 if name == "aten.slice.Tensor" else 2) else \
+        node.kwargs.get("dim", 0)
+    return along % val.dim() if isinstance(along, int) else None
+
+
+def _split_pieces(node: fx.Node, dim: int) -> tuple[int, ...] | None:
+    """Sizes along `dim` of the pieces a split / chunk node returns (None: symbolic)."""
+    pieces = node.meta.get(VAL)
+    if not isinstance(pieces, (list, tuple)):
+        return None
+    sizes = tuple(_static(p.shape[dim]) for p in pieces)
+    return None if None in sizes else sizes
+
+
+def _tiling(src: fx.Node, dim: int) -> tuple[int, ...] | None:
+    """Block sizes when the slices of `src` along `dim` tile it exactly ([0, a), [a, b),
+    ... [z, size)), else None."""
+    size = _static(_val(src).shape[dim])
+    if size is None:
+        return None
+    ranges = set()
+    for user in src.users:
+        if op_name(user) == "aten.slice.Tensor" and _along(user, src) == dim:
+            r = _slice_range(user, size)
+            if r is None:
+                return None
+            ranges.add(r)
+    ordered = sorted(ranges)
+    if len(ordered) < 2 or ordered[0][0] != 0 or ordered[-1][1] != size:
+        return None
+    if any(a[1] != b[0] for a, b in zip(ordered, ordered[1:])) or \
+            any(a >= b for a, b in ordered):
+        return None
+    return tuple(b - a for a, b in ordered)
+
+
+def _block_ranges(blocks: tuple[int, ...]) -> list[tuple[int, int]]:
+    out, start = [], 0
+    for size in blocks:
+        out.append((start, start + size))
+        start += size
+    return out
+
+
+def fused_blocks(node: fx.Node, dim: int, budget: int = 16) -> tuple[int, ...]:
+    """Full sizes of the blocks the graph takes dim `dim` of `node` apart into (() when
+    it does not): a split / chunk along it, slices that tile it, or a view into
+    (count, ...) whose count dim is unbound — looked for through ops that keep the dim."""
+    frontier = [(node, dim)]
+    while frontier and budget > 0:
+        current, d = frontier.pop()
+        budget -= 1
+        val = _val(current)
+        if val is None or _static(val.shape[d]) is None:
+            continue
+        for user in current.users:
+            if _along(user, current) == d:
+                pieces = _split_pieces(user, d) if op_name(user) in _SPLIT_PIECES \
+                    else _tiling(current, d)
+                if pieces is not None and len(pieces) > 1:
+                    return pieces
+                continue
+            if op_name(user) in _VIEWS and _val(user) is not None:
+                span = view_span(val, _val(user), d)
+                if span and len(span) > 1 and _taken_apart(user, span[0]):
+                    count = _static(_val(user).shape[span[0]])
+                    size = _static(val.shape[d])
+                    if count and size and size % count == 0:
+                        return (size // count,) * count
+            moved = _follow(user, current, d)
+            if isinstance(moved, int):
+                frontier.append((user, moved))
+    return ()
+
+
+def follow_blocked(user: fx.Node, src: fx.Node, dim: int, blocks: tuple[int, ...]
+                   ) -> tuple[int, tuple[int, ...]] | None:
+    """(dim, blocks) of `user`'s output shard when `src` is sharded on `dim` with local
+    shard `blocks` (() = one contiguous shard); None when `user` needs `src` whole.
+
+    Taking a blocked value apart is local only along its own blocks (each piece is then
+    an ordinary shard); a view that splits the shard dim keeps a contiguous shard on its
+    outermost part, or — for a blocked value — on the part after an unbound count of
+    equal blocks; an op that changes the size of the shard dim keeps no blocks."""
+    val, out = _val(src), _val(user)
+    name = op_name(user)
+    if _along(user, src) == dim:
+        size = _static(val.shape[dim])
+        if name in _SPLIT_PIECES:
+            pieces = _split_pieces(user, dim)
+            return (dim, ()) if blocks and pieces == blocks else None
+        r = _slice_range(user, size) if size is not None else None
+        if r == (0, size):
+            return dim, blocks
+        return (dim, ()) if blocks and r in _block_ranges(blocks) else None
+    if name in _VIEWS and out is not None:
+        span = view_span(val, out, dim)
+        moved = _view_dim(val, out, dim, user)
+        if span is None or moved is None:
+            return None
+        if len(span) == 1:
+            same = _static(out.shape[moved]) == _static(val.shape[dim])
+            return (moved, blocks if same else ()) if same or not blocks else None
+        if moved == span[0]:
+            return None if blocks else (moved, ())
+        count = math.prod(_static(out.shape[j]) or 0 for j in span[:span.index(moved)])
+        size = _static(val.shape[dim])
+        equal = (size // count,) * count if count and size and size % count == 0 else None
+        return (moved, ()) if blocks and blocks == equal else None
+    moved = _follow(user, src, dim)
+    if not isinstance(moved, int):
+        return None
+    if blocks and out is not None and moved < out.dim() and \
+            _static(out.shape[moved]) != _static(val.shape[dim]):
+        return None  # e.g. repeat_interleave: the blocks no longer line up
+    return moved, blocks
+
+
 def megatron_layout(gm: fx.GraphModule, choices: dict[str, str] | None = None
                     ) -> TensorParallelLayout:
-    """Propagate Megatron's shardings through `gm` (forward graph order).
+    """Propagate Megatron's shardings through `gm` (forward graph order), proven.
 
     `choices` decides open generic linears by node name ("column" or "replicate"); the
-    ones it leaves out keep Megatron's rule (replicated).
+    ones it leaves out keep Megatron's rule (replicated). The layout returned satisfies
+    every collective's gradient contract (search/tp_gradients.py): where a column linear's
+    sharding would make a gradient partial, that linear is replicated instead and the
+    layout recomputed — the result is never one that would run with a wrong gradient.
     """
+    from .tp_gradients import gradient_problems, sharding_sources
+
     choices = choices or {}
+    forced: dict[str, str] = {}
+    while True:
+        layout = propagate_layout(gm, choices, forced)
+        problems = gradient_problems(gm, layout)
+        if not problems:
+            layout.partial_grads.clear()
+            layout.replicated_for_gradients = dict(forced)
+            return layout
+        added = False
+        for problem in problems:
+            for linear in sharding_sources(gm, layout, problem.origin):
+                if linear not in forced:
+                    forced[linear] = problem.describe(gm)
+                    added = True
+        if not added:  # nothing left to replicate: a bug in the propagation, never run it
+            raise PlanError("tensor parallelism: no layout of this graph satisfies the "
+                            f"gradient contracts on mesh axis 'tp': {problems[0].describe(gm)}; "
+                            "pin tp=1")
+
+
+def propagate_layout(gm: fx.GraphModule, choices: dict[str, str],
+                     forced: dict[str, str] | None = None) -> TensorParallelLayout:
+    """One pass of Megatron's rules (unproven): `forced` linears are kept replicated."""
+    forced = forced or {}
     layout = TensorParallelLayout()
     place = layout.placements
     for node in gm.graph.nodes:
@@ -308,13 +519,15 @@ def megatron_layout(gm: fx.GraphModule, choices: dict[str, str] | None = None
         ins = node.all_input_nodes  # lists too (cat, broadcast_tensors)
         if node.target is operator.getitem:
             place[node.name] = place.get(node.args[0].name, R)
+            if node.args[0].name in layout.blocks:
+                layout.blocks[node.name] = layout.blocks[node.args[0].name]
             continue
         if _is_check(node):
             place[node.name] = R
             continue
         parts = linear_parts(node)
         if parts is not None:
-            _linear(node, parts, layout, choices.get(node.name))
+            _linear(node, parts, layout, choices.get(node.name), node.name in forced)
             continue
         if name == "aten.embedding.default":
             place[node.name] = R
@@ -330,7 +543,7 @@ def megatron_layout(gm: fx.GraphModule, choices: dict[str, str] | None = None
         if not sharded:
             place[node.name] = R
             continue
-        if name in _CLASS_LOSSES:
+        if name in _CLASS_LOSSES and not layout.blocks.get(node.args[0].name):
             place[node.name] = R  # vocabulary-parallel loss: per-token max, sum, target logit
             tokens = sympy.Mul(*[sym_expr(s) for s in _val(node.args[0]).shape[:-1]])
             layout.collectives.append(Collective(node.name, "all_reduce", "forward",
@@ -338,19 +551,64 @@ def megatron_layout(gm: fx.GraphModule, choices: dict[str, str] | None = None
             _mark_vocab_head(layout, node.args[0])
             continue
         if name == "aten.scaled_dot_product_attention.default":
-            place[node.name] = shard(1)
-            continue
-        src = sharded[0]
-        moved = _follow(node, src, shard_dim(place[src.name]))
+            moved = _attention(node, layout)
+        elif name in _CLASS_LOSSES:
+            moved = None  # blocked logits: the loss reads them whole
+        else:
+            moved = _combine(node, sharded, layout)
         if moved is None:  # needs the whole tensor: all-gather the sharded input(s)
             for a in sharded:
                 layout.collectives.append(Collective(node.name, "all_gather", "forward",
                                                      nbytes_expr(_val(a))))
             place[node.name] = R
         else:
-            place[node.name] = shard(moved)
+            place[node.name] = shard(moved[0])
+            if moved[1]:
+                layout.blocks[node.name] = moved[1]
     mark_key_value_projections(gm, layout)
     return layout
+
+
+def _attention(node: fx.Node, layout: TensorParallelLayout) -> tuple[int, tuple] | None:
+    """Attention runs on this rank's heads when query, key and value are all split on the
+    heads dim (one contiguous shard each); otherwise it needs them whole."""
+    for a in node.args[:3]:
+        if not isinstance(a, fx.Node) or shard_dim(layout.placements.get(a.name, R)) != 1 \
+                or layout.blocks.get(a.name):
+            return None
+    return 1, ()
+
+
+def _combine(node: fx.Node, sharded: list[fx.Node], layout: TensorParallelLayout
+             ) -> tuple[int, tuple[int, ...]] | None:
+    """(dim, blocks) of `node`'s output shard, or None when it needs its inputs whole:
+    every sharded operand must land on the same output dim with the same blocks and the
+    full size there (a sharded operand broadcast along its shard dim cannot be split);
+    a blocked output cannot take a replicated operand spanning its shard dim (the slice
+    `tp_split` cuts is contiguous, the blocked shard is not)."""
+    found = {follow_blocked(node, a, shard_dim(layout.placements[a.name]),
+                            layout.blocks.get(a.name, ())) for a in sharded}
+    if len(found) != 1 or None in found:
+        return None
+    moved, blocks = found.pop()
+    out = _val(node)
+    name = op_name(node)
+    broadcasting = name.startswith(_ELEMENTWISE_PREFIXES) or name in _BROADCASTING
+    if out is None or moved >= out.dim() or not broadcasting:
+        return moved, blocks
+    for a in node.all_input_nodes:
+        val = _val(a)
+        if val is None:
+            continue
+        if a in sharded:
+            if _static(val.shape[shard_dim(layout.placements[a.name])]) != \
+                    _static(out.shape[moved]):
+                return None  # broadcast along its shard dim
+            continue
+        dim = moved - (out.dim() - val.dim())
+        if blocks and dim >= 0 and _static(val.shape[dim]) != 1:
+            return None
+    return moved, blocks
 
 
 def _mark_vocab(layout: TensorParallelLayout, weight: fx.Node, dim: int) -> None:
@@ -403,6 +661,10 @@ def mark_key_value_projections(gm: fx.GraphModule, layout: TensorParallelLayout)
             continue
         queries = _attention_sources(node.args[0])
         for source in _attention_sources(node.args[1]) | _attention_sources(node.args[2]):
+            if source.name in layout.blocks:  # fused q | k | v: its blocks split tp ways
+                layout.fused_kv_params.update(param_key(a) for a in source.args[1:3]
+                                              if isinstance(a, fx.Node))
+                continue
             if source not in queries and layout.linear_roles.get(source.name) == "column":
                 layout.kv_linears.add(source.name)
                 layout.kv_params.update(param_key(a) for a in source.args[1:3]
@@ -410,12 +672,14 @@ def mark_key_value_projections(gm: fx.GraphModule, layout: TensorParallelLayout)
 
 
 def _linear(node: fx.Node, parts: LinearParts, layout: TensorParallelLayout,
-            choice: str | None) -> None:
+            choice: str | None, forced: bool = False) -> None:
     x, weight, bias = parts.x, parts.weight, parts.bias
     place = layout.placements
     out = _val(node)
     x_dim = shard_dim(place.get(x.name, R))
-    if x_dim is not None and x_dim == _val(x).dim() - 1:  # row-parallel: partial → all-reduce
+    x_blocked = bool(layout.blocks.get(x.name))
+    if x_dim is not None and x_dim == _val(x).dim() - 1 and not x_blocked:
+        # row-parallel: partial → all-reduce
         layout.linear_roles[node.name] = "row"
         layout.param_placements[param_key(weight)] = shard(parts.row_dim)
         layout.shard_sizes[param_key(weight)] = int(_val(weight).shape[parts.row_dim])
@@ -426,16 +690,26 @@ def _linear(node: fx.Node, parts: LinearParts, layout: TensorParallelLayout,
     if x_dim is not None:  # sharded elsewhere: gather, then decide as for a replicated input
         layout.collectives.append(Collective(node.name, "all_gather", "forward",
                                              nbytes_expr(_val(x))))
-    megatron = _flows_to_consumer_that_shards(node, out.dim() - 1)
-    if not megatron:
+    features = _static(out.shape[-1])
+    splittable = not forced and features is not None and features > 1
+    blocks = fused_blocks(node, out.dim() - 1) if splittable else ()
+    megatron = splittable and _flows_to_consumer_that_shards(node, out.dim() - 1, blocks)
+    if splittable and not megatron:
         layout.open.append(node.name)
-    if megatron or choice == "column":
+    if megatron or (splittable and choice == "column"):
         layout.linear_roles[node.name] = "column"
         layout.param_placements[param_key(weight)] = shard(parts.column_dim)
         layout.shard_sizes[param_key(weight)] = int(_val(weight).shape[parts.column_dim])
+        if not megatron:
+            layout.open_params[param_key(weight)] = node.name
         if bias is not None:
             layout.param_placements[param_key(bias)] = shard(0)
         place[node.name] = shard(out.dim() - 1)
+        if blocks:
+            layout.blocks[node.name] = blocks
+            for p in (weight, bias):
+                if p is not None:
+                    layout.fused_params[param_key(p)] = blocks
         # Megatron's f: one backward all-reduce per distinct input (q, k, v share theirs)
         already = any(c.direction == "backward" and c.node == x.name for c in layout.collectives)
         if not already and (x.op != "placeholder" or x.meta.get(AH_ROLE) != "input"):

@@ -88,10 +88,20 @@ class ModelProfile:
             return f"tp={tp} does not divide {self.heads} attention heads"
         if self.kv_heads and self.kv_heads % min(tp, self.kv_heads):
             return f"tp={tp} does not divide {self.kv_heads} key/value heads"
-        for name, size in sorted(self.layout.shard_sizes.items()):
-            if name not in self.layout.vocab_params and name not in self.layout.kv_params \
-                    and size % tp:
-                return f"tp={tp} does not divide the split dim ({size}) of {name}"
+        layout = self.layout
+        if self.kv_heads and tp > self.kv_heads and layout.fused_kv_params:
+            return (f"tp={tp} exceeds the {self.kv_heads} key/value heads of the fused "
+                    f"projection {sorted(layout.fused_kv_params)[0]}")
+        for name, size in sorted(layout.shard_sizes.items()):
+            if name in layout.vocab_params or name in layout.kv_params:
+                continue
+            if name in layout.open_params:
+                continue  # a generic linear the cost chose to split: the pass replicates it
+            blocks = layout.fused_params.get(name, (size,))
+            if any(b % tp for b in blocks):
+                what = f"the split dim ({size})" if len(blocks) == 1 else \
+                    f"the fused blocks {list(blocks)} of the split dim"
+                return f"tp={tp} does not divide {what} of {name}"
         return None
 
     def forward_flops(self, batch: int, seq: int | None, matmul_only: bool = False) -> float:

@@ -1,0 +1,33 @@
+"""A representative subset of the model coverage sweep (benchmarks/model_coverage.py; the
+whole table is `make test-models`): models autohybrid did not write — Hugging Face
+architectures from tiny configs, torch-native modules — train like eager (losses,
+gathered gradients and parameters after every SGD step, float64) under the plan kinds
+that broke them before (issue 17), one family per cell."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import model_coverage  # noqa: E402
+
+CELLS = [
+    ("mistral", "auto"),      # E1 fused rotary (fp32 only, see test_codegen) / mask per sample
+    ("phi3", "tp2"),          # E2 fused qkv / gate_up split by slicing and chunk
+    ("bert", "tp2"),          # E3 padding_idx under the vocabulary-parallel embedding
+    ("t5", "dp2"),            # E4 labels= without a target-free forward
+    ("mixtral", "dp2"),       # E5 per-token expert dispatch under dp
+    ("gru", "tp2"),           # E7 recurrent model under tp
+    ("bart", "pp2"),          # tied embeddings / shifted labels across pipeline stages
+    ("transformer", "pp2"),   # nn.Transformer encoder-decoder across stages
+]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name,plan", CELLS, ids=[f"{n}-{p}" for n, p in CELLS])
+def test_model_trains_like_eager(name: str, plan: str) -> None:
+    results = model_coverage.sweep([name], [plan], steps=2, log=lambda line: None)
+    status, detail, _ = results[name, plan]
+    assert status == "equal", f"{name} under {plan}: {status}: {detail}"
