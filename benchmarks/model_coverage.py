@@ -3,7 +3,7 @@
 Each model of `autohybrid.models.coverage` (Hugging Face architectures from tiny
 configs, torch-native LSTM / GRU / nn.Transformer / nn.MultiheadAttention models) is
 compiled for 2 local ranks under the planner's unconstrained choice and pinned dp=2,
-tp=2 and pp=2 (pp only where the model has blocks), trained 3 SGD steps beside an eager
+tp=2 and pp=2, trained 3 SGD steps beside an eager
 copy, and compared: losses, gathered gradients and parameters after every step. A cell
 is
 
@@ -125,11 +125,7 @@ def sweep(names: list[str], plans: list[str], steps: int = STEPS, dtype: str = "
     """{(model, plan): (status, detail, seconds)} for every model and plan asked for."""
     results = {}
     for name in names:
-        case_blocks = coverage.build(name).blocks
         for plan_name in plans:
-            if plan_name == "pp2" and not case_blocks:
-                results[name, plan_name] = ("n/a", "no block structure to pipeline", 0.0)
-                continue
             start = time.perf_counter()
             try:
                 status, detail = _culprit(ah.launch(run_case, ah.Cluster.local(2),

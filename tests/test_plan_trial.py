@@ -134,11 +134,13 @@ def test_the_trial_runs_inside_a_live_job_and_restores_the_axis_groups() -> None
                    constraints=ah.Constraints(tp=2, sp=False))
     dist.init_process_group("fake", rank=1, world_size=2, store=FakeStore())
     marker = object()
+    before = ops.groups.snapshot()   # earlier tests in this process may have bound axes
     try:
+        ops.groups.clear()
         ops.groups.bind("tp", marker)
         assert PassTrial(train, rank=1)(plan) is None
         assert ops.groups.snapshot() == {"tp": marker}
         assert dist.is_initialized() and dist.get_world_size() == 2
     finally:
-        ops.groups.clear()
+        ops.groups.restore(before)
         dist.destroy_process_group()

@@ -40,8 +40,6 @@ class Case:
     batches: list[tuple[tuple[torch.Tensor, ...], Any]]
     #: None: the model returns its loss given `labels=` (Hugging Face style)
     loss_fn: Callable | None
-    #: "blocks": the model has a repeated block structure a pipeline can cut
-    blocks: bool = True
 
     def eager_loss(self, model: nn.Module, inputs: tuple, targets: Any) -> torch.Tensor:
         if self.loss_fn is not None:
@@ -239,11 +237,11 @@ class MHAModel(nn.Module):
 def _native_case(name: str) -> Case:
     torch.manual_seed(0)
     if name in ("lstm", "gru"):
-        model, blocks = RNNLM(name.upper()), False
+        model = RNNLM(name.upper())
     elif name == "transformer_lm":
-        model, blocks = TransformerLM(), True
+        model = TransformerLM()
     elif name == "mha":
-        model, blocks = MHAModel(), True
+        model = MHAModel()
     else:  # "transformer" (encoder-decoder)
         model = Seq2SeqTransformer()
         batches = []
@@ -251,8 +249,8 @@ def _native_case(name: str) -> Case:
             source, target = _tokens(100 + step), _tokens(200 + step)
             target_in = torch.cat([torch.zeros_like(target[:, :1]), target[:, :-1]], dim=1)
             batches.append(((source, target_in), target))
-        return Case(name, model, batches, lm_loss, blocks=True)
-    return Case(name, model, _lm_batches(), lm_loss, blocks=blocks)
+        return Case(name, model, batches, lm_loss)
+    return Case(name, model, _lm_batches(), lm_loss)
 
 
 NATIVE = ("lstm", "gru", "transformer_lm", "transformer", "mha")
