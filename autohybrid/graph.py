@@ -57,6 +57,23 @@ def op_name(node: fx.Node) -> str:
     return getattr(target, "__qualname__", repr(target))
 
 
+def schema_args(node: fx.Node) -> dict:
+    """An op node's arguments by schema name, defaults filled in (positions as keys for a
+    target without a schema)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return {i: a for i, a in enumerate(node.args)}
+    out = {}
+    for i, arg in enumerate(schema.arguments):
+        if i < len(node.args):
+            out[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            out[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            out[arg.name] = arg.default_value
+    return out
+
+
 def module_path(node: fx.Node) -> str:
     """The dotted path of the innermost module that produced `node` ("" for the top)."""
     stack = node.meta.get(MODULE_STACK) or {}

@@ -78,7 +78,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ..graph import AH_ROLE, SYM_SIZE_OPS, VAL, op_name
+from ..graph import AH_ROLE, SYM_SIZE_OPS, VAL, op_name, schema_args
 
 REP, SPLIT, PERM, COUNTS, OFFSETS, BSIZE, UNKNOWN = (
     "rep", "split", "perm", "counts", "offsets", "batch-size", "unknown")
@@ -194,22 +194,6 @@ def _shape(a: Any) -> tuple:
 
 def _rank(a: Any) -> int:
     return len(_shape(a))
-
-
-def _kwargs(node: fx.Node) -> dict:
-    """The op's arguments by schema name (defaults filled in)."""
-    out = {}
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return {i: a for i, a in enumerate(node.args)}
-    for i, arg in enumerate(schema.arguments):
-        if i < len(node.args):
-            out[arg.name] = node.args[i]
-        elif arg.name in node.kwargs:
-            out[arg.name] = node.kwargs[arg.name]
-        elif arg.has_default_value():
-            out[arg.name] = arg.default_value
-    return out
 
 
 def _flat(args: Any) -> Iterable[Any]:
@@ -542,7 +526,7 @@ class BatchFlow:
     def _scalars_rep(self, node: fx.Node, allowed: Iterable[str] = ()) -> None:
         """Refuse a batch-size-dependent Python number used as a value."""
         allowed = set(allowed)
-        for key, a in _kwargs(node).items():
+        for key, a in schema_args(node).items():
             if key in allowed:
                 continue
             for x in _flat(a):
@@ -612,7 +596,7 @@ class BatchFlow:
         packet = _packet(op_name(node))
         self._scalars_rep(node)
         out = node.meta.get(VAL)
-        kw = _kwargs(node)
+        kw = schema_args(node)
         if packet == "aten.floor_divide" or (packet == "aten.div" and
                                              kw.get("rounding_mode") == "floor"):
             f = self.flow(kw.get("self"))
@@ -716,7 +700,7 @@ def _random_fill(self: BatchFlow, node: fx.Node) -> Flow:
 
 @_rule("aten.arange")
 def _arange(self: BatchFlow, node: fx.Node) -> Flow:
-    kw = _kwargs(node)
+    kw = schema_args(node)
     start, end, step = kw.get("start", 0), kw.get("end"), kw.get("step", 1)
     for a in (start, step):
         if self.flow(a).kind != REP:
@@ -784,7 +768,7 @@ def _permute_dims(self: BatchFlow, node: fx.Node) -> Flow:
         return f
     rank = _rank(x)
     packet = _packet(op_name(node))
-    kw = _kwargs(node)
+    kw = schema_args(node)
     order = list(range(rank))
     if packet in ("aten.transpose", "aten.swapaxes", "aten.swapdims"):
         a = _norm(kw.get("dim0", kw.get("axis0", 0)), rank)
@@ -828,7 +812,7 @@ def _squeeze(self: BatchFlow, node: fx.Node) -> Flow:
     if not f.batched:
         return f
     ins = _shape(x)
-    kw = _kwargs(node)
+    kw = schema_args(node)
     dims = kw.get("dim", None)
     if dims is None:
         gone = [i for i, s in enumerate(ins) if isinstance(s, int) and s == 1]
@@ -884,7 +868,7 @@ def _broadcast_tensors(self: BatchFlow, node: fx.Node) -> tuple:
 def _slice(self: BatchFlow, node: fx.Node) -> Flow:
     x = node.args[0]
     f = self.flow(x)
-    kw = _kwargs(node)
+    kw = schema_args(node)
     dim = _norm(kw.get("dim", 0), _rank(x))
     if not f.batched or dim != f.dim:
         self._scalars_rep(node)
@@ -914,7 +898,7 @@ def _split(self: BatchFlow, node: fx.Node) -> Any:
     x = node.args[0]
     f = self.flow(x)
     outs = node.meta[VAL]
-    kw = _kwargs(node)
+    kw = schema_args(node)
     rank = _rank(x)
     dim = _norm(kw.get("dim", 0), rank)
     if not f.batched:
@@ -934,7 +918,7 @@ def _cat(self: BatchFlow, node: fx.Node) -> Flow:
     tensors = list(node.args[0])
     stack = _packet(op_name(node)) == "aten.stack"
     outs = tuple(node.meta[VAL].shape)
-    dim = _norm(_kwargs(node).get("dim", 0), len(outs))
+    dim = _norm(schema_args(node).get("dim", 0), len(outs))
     flows = [self.flow(t) for t in tensors]
     bad = self._first_unknown(flows)
     if bad is not None:
@@ -976,7 +960,7 @@ def _repeat(self: BatchFlow, node: fx.Node) -> Flow:
 
 @_rule("aten.repeat_interleave")
 def _repeat_interleave(self: BatchFlow, node: fx.Node) -> Flow:
-    kw = _kwargs(node)
+    kw = schema_args(node)
     x = kw.get("self", kw.get("repeats"))
     f = self.flow(x)
     if op_name(node) != "aten.repeat_interleave.self_int" or not isinstance(kw["repeats"], int):
@@ -1003,7 +987,7 @@ def _local_dims(self: BatchFlow, node: fx.Node) -> Flow:
         return f if f.kind != REP else self._all_rep(node)
     rank = _rank(x)
     packet = _packet(op_name(node))
-    kw = _kwargs(node)
+    kw = schema_args(node)
     if packet in ("aten.triu", "aten.tril"):
         touched = [rank - 2, rank - 1]
     elif packet in ("aten.flip", "aten.roll", "aten.rot90"):
@@ -1028,7 +1012,7 @@ def _local_dims(self: BatchFlow, node: fx.Node) -> Flow:
 def _pad(self: BatchFlow, node: fx.Node) -> Flow:
     x = node.args[0]
     f = self.flow(x)
-    kw = _kwargs(node)
+    kw = schema_args(node)
     if "value" in kw and self.flow(kw["value"]).kind != REP:
         raise _Fail("it pads with a value that depends on the batch")
     if not f.batched:
@@ -1065,7 +1049,7 @@ def _reduced(self: BatchFlow, node: fx.Node, x: Any, dims: Any, keepdim: bool,
 @_rule(*_REDUCTIONS)
 def _reduction(self: BatchFlow, node: fx.Node) -> Any:
     packet = _packet(op_name(node))
-    kw = _kwargs(node)
+    kw = schema_args(node)
     self._scalars_rep(node)
     x = kw.get("self", kw.get("input"))
     dim_key, keep_key = _REDUCTIONS[packet]
@@ -1090,7 +1074,7 @@ def _reduction(self: BatchFlow, node: fx.Node) -> Any:
 @_rule(*_ALONG)
 def _along(self: BatchFlow, node: fx.Node) -> Any:
     packet = _packet(op_name(node))
-    kw = _kwargs(node)
+    kw = schema_args(node)
     x = kw.get("self", kw.get("input"))
     f = self.flow(x)
     rank = _rank(x)
@@ -1127,7 +1111,7 @@ def _along(self: BatchFlow, node: fx.Node) -> Any:
 @_rule(*_SORTS)
 def _sort(self: BatchFlow, node: fx.Node) -> Any:
     packet = _packet(op_name(node))
-    kw = _kwargs(node)
+    kw = schema_args(node)
     x = kw["self"]
     f = self.flow(x)
     rank = _rank(x)
@@ -1185,7 +1169,7 @@ def _keys_of(self: BatchFlow, x: Any) -> fx.Node | None:
 
 @_rule("aten.histc", "aten.bincount")
 def _histogram(self: BatchFlow, node: fx.Node) -> Flow:
-    kw = _kwargs(node)
+    kw = schema_args(node)
     x = kw["self"]
     f = self.flow(x)
     if f.kind == REP:
@@ -1206,7 +1190,7 @@ def _histogram(self: BatchFlow, node: fx.Node) -> Flow:
 
 
 def _offsets(self: BatchFlow, node: fx.Node, counts: Flow) -> Flow:
-    kw = _kwargs(node)
+    kw = schema_args(node)
     if _norm(kw.get("dim", 0), 1) != 0:
         raise _Fail("cumsum of counts along another dim")
     return Flow(OFFSETS, perm=counts.perm, groups=counts.groups)
@@ -1323,14 +1307,14 @@ def _same_space(sizes: _Sizes, a: tuple, b: tuple) -> bool:
 
 @_rule("aten.index_put", "aten.index_put_", "aten._index_put_impl", "aten._index_put_impl_")
 def _index_put(self: BatchFlow, node: fx.Node) -> Flow:
-    kw = _kwargs(node)
+    kw = schema_args(node)
     dst, indices, values = kw["self"], list(kw["indices"]), kw["values"]
     return _scatter_rows(self, node, dst, indices, values, bool(kw.get("accumulate", False)))
 
 
 @_rule("aten.index_add", "aten.index_add_", "aten.index_copy", "aten.index_copy_")
 def _index_add(self: BatchFlow, node: fx.Node) -> Flow:
-    kw = _kwargs(node)
+    kw = schema_args(node)
     dst, dim, index = kw["self"], kw["dim"], kw["index"]
     src = kw.get("source")
     if self.flow(kw.get("alpha", 1)).kind != REP:
@@ -1401,7 +1385,7 @@ def _scatter_rows(self: BatchFlow, node: fx.Node, dst: Any, indices: list, value
        "aten.scatter_add_", "aten.scatter_reduce", "aten.scatter_reduce_",
        "aten.take_along_dim")
 def _gather_dim(self: BatchFlow, node: fx.Node) -> Flow:
-    kw = _kwargs(node)
+    kw = schema_args(node)
     x = kw.get("self", kw.get("input"))
     dim = kw.get("dim")
     self._scalars_rep(node)
@@ -1429,7 +1413,7 @@ def _gather_dim(self: BatchFlow, node: fx.Node) -> Flow:
 @_rule("aten.embedding", "aten.one_hot", "aten.embedding_bag", "aten._embedding_bag")
 def _lookup(self: BatchFlow, node: fx.Node) -> Any:
     packet = _packet(op_name(node))
-    kw = _kwargs(node)
+    kw = schema_args(node)
     self._scalars_rep(node)
     if packet == "aten.one_hot":
         table, idx = None, kw["self"]
@@ -1502,7 +1486,7 @@ def _matmul_maps(ra: int, rb: int) -> tuple[list, list, int]:
 @_rule(*_MATMULS)
 def _matmul(self: BatchFlow, node: fx.Node) -> Flow:
     packet = _packet(op_name(node))
-    kw = _kwargs(node)
+    kw = schema_args(node)
     self._scalars_rep(node)
     out_rank = _rank(node)
     if packet == "aten.linear":
@@ -1555,7 +1539,7 @@ def _all_or_fail(self: BatchFlow, node: fx.Node, what: str) -> Any:
 def _attention(self: BatchFlow, node: fx.Node) -> Any:
     """query [*, L, E], key [*, S, E], value [*, S, Ev], mask [*, L, S] -> [*, L, Ev]:
     the leading dims line up (broadcast); S and E are attended / contracted over."""
-    kw = _kwargs(node)
+    kw = schema_args(node)
     q, k, v = kw["query"], kw["key"], kw["value"]
     mask = kw.get("attn_mask", kw.get("attn_bias"))
     self._scalars_rep(node)
@@ -1606,7 +1590,7 @@ def _leading(self: BatchFlow, node: fx.Node) -> Any:
 
 @_rule(*_LAYER_NORMS)
 def _layer_norm(self: BatchFlow, node: fx.Node) -> Any:
-    kw = _kwargs(node)
+    kw = schema_args(node)
     x = kw["input"]
     f = self.flow(x)
     self._scalars_rep(node)
@@ -1630,7 +1614,7 @@ def _layer_norm(self: BatchFlow, node: fx.Node) -> Any:
 
 @_rule(*_BATCH_NORMS)
 def _batch_norm(self: BatchFlow, node: fx.Node) -> Any:
-    kw = _kwargs(node)
+    kw = schema_args(node)
     x = kw["input"]
     f = self.flow(x)
     training = kw.get("training", False)
@@ -1659,7 +1643,7 @@ def _batch_norm(self: BatchFlow, node: fx.Node) -> Any:
 
 @_rule(*_RNNS)
 def _rnn(self: BatchFlow, node: fx.Node) -> Any:
-    kw = _kwargs(node)
+    kw = schema_args(node)
     name = op_name(node)
     if not name.endswith(".input"):
         return self._all_rep(node)
@@ -1693,7 +1677,7 @@ def _rnn(self: BatchFlow, node: fx.Node) -> Any:
 
 @_rule(*_names(_CLASS_LOSSES, _ELEMENTWISE_LOSSES))
 def _loss(self: BatchFlow, node: fx.Node) -> Flow:
-    kw = _kwargs(node)
+    kw = schema_args(node)
     per_sample = self.per_element_loss(node)
     if kw.get("reduction", 1) == 0:
         return per_sample
@@ -1707,7 +1691,7 @@ def _loss(self: BatchFlow, node: fx.Node) -> Flow:
 def per_element_loss(self: BatchFlow, node: fx.Node) -> Flow:
     """The flow of a loss node's values before its reduction (reduction='none')."""
     packet = _packet(op_name(node))
-    kw = _kwargs(node)
+    kw = schema_args(node)
     self._scalars_rep(node)
     if packet in _ELEMENTWISE_LOSSES:
         try:
@@ -1755,7 +1739,7 @@ def _type_as(self: BatchFlow, node: fx.Node) -> Flow:
 
 @_rule("aten.copy", "aten.copy_")
 def _copy(self: BatchFlow, node: fx.Node) -> Flow:
-    kw = _kwargs(node)
+    kw = schema_args(node)
     src = kw["src"]
     f = self.flow(src)
     out = tuple(node.meta[VAL].shape)
@@ -1768,7 +1752,7 @@ def _copy(self: BatchFlow, node: fx.Node) -> Flow:
 
 @_rule("aten.fill", "aten.fill_", "aten.zero", "aten.zero_")
 def _fill(self: BatchFlow, node: fx.Node) -> Flow:
-    kw = _kwargs(node)
+    kw = schema_args(node)
     value = kw.get("value", 0)
     f = self.flow(value)
     if f.kind != REP:

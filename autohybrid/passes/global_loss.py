@@ -31,7 +31,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import PlanError
-from ..graph import (AH_PASS, AH_ROLE, VAL, op_name, output_node, placeholders,
+from ..graph import (AH_PASS, AH_ROLE, VAL, op_name, output_node, placeholders, schema_args,
                      propagate_fake, source_line)
 from .batch_flow import REP, UNKNOWN, BatchFlow, Flow
 from .manager import PassContext
@@ -134,7 +134,7 @@ def sample_mixing(gm: fx.GraphModule, loss: fx.Node, reduction: fx.Node
     if name in _ELEMENTWISE_LOSSES or name in _CLASS_LOSSES:
         flow = flows.per_element_loss(reduction)
     else:
-        flow = flows.flow(_kwargs(reduction)["self"])
+        flow = flows.flow(schema_args(reduction)["self"])
     if flow.kind == UNKNOWN:
         return flow.culprit, flow.why
     if not flow.batched or flow.ptr is not None:
@@ -198,19 +198,6 @@ def _find_reduction(loss: fx.Node) -> fx.Node | None:
     return None
 
 
-def _kwargs(node: fx.Node) -> dict:
-    """The op's arguments by schema name (defaults filled in)."""
-    out = {}
-    for i, arg in enumerate(node.target._schema.arguments):
-        if i < len(node.args):
-            out[arg.name] = node.args[i]
-        elif arg.name in node.kwargs:
-            out[arg.name] = node.kwargs[arg.name]
-        elif arg.has_default_value():
-            out[arg.name] = arg.default_value
-    return out
-
-
 def _set_args(node: fx.Node, kwargs: dict) -> None:
     node.args = tuple(kwargs[a.name] for a in node.target._schema.arguments
                       if not a.kwarg_only and a.name in kwargs)
@@ -223,19 +210,19 @@ def _is_reduction(node: fx.Node) -> bool:
     if name in ("aten.mean.default", "aten.sum.default"):
         return True
     if name in ("aten.mean.dim", "aten.sum.dim_IntList"):
-        kw = _kwargs(node)
+        kw = schema_args(node)
         dims = kw.get("dim")
         rank = kw["self"].meta[VAL].dim()
         return dims is None or len(dims) == 0 or sorted(d % rank for d in dims) == list(range(rank))
     if name in _ELEMENTWISE_LOSSES or name in _CLASS_LOSSES:
-        return _kwargs(node).get("reduction", _MEAN) in (_MEAN, _SUM)
+        return schema_args(node).get("reduction", _MEAN) in (_MEAN, _SUM)
     return False
 
 
 def _rewrite(gm: fx.GraphModule, node: fx.Node, created: list[fx.Node]) -> tuple[str, fx.Node | None]:
     """Turn the mean reduction `node` into a sum; return the kind and the denominator."""
     name, graph = op_name(node), gm.graph
-    kw = _kwargs(node)
+    kw = schema_args(node)
     if name in ("aten.sum.default", "aten.sum.dim_IntList"):
         return "sum", None
     if name in _ELEMENTWISE_LOSSES or name in _CLASS_LOSSES:

@@ -42,7 +42,7 @@ from ..capture import _WRAPPER_PREFIX
 from ..cost.compute import grad_nodes
 from ..errors import PlanError
 from ..graph import (AH_PASS, AH_ROLE, VAL, fake_mode, module_path, new_node, op_name,
-                     output_node, refresh_fake, source_line)
+                     output_node, refresh_fake, schema_args, source_line)
 from ..ops import tensor_parallel as tp_ops  # noqa: F401  (registers autohybrid::tp_*)
 from ..ops import dropout, vocab_parallel  # noqa: F401  (registers the ops they define)
 from ..search.sharding import (R, TensorParallelLayout, _CLASS_LOSSES, _along, _slice_range,
@@ -396,8 +396,7 @@ class _Rewriter:
         self.graph.erase_node(node)
 
     def _class_loss(self, node: fx.Node) -> None:
-        from .global_loss import _kwargs
-        kw = _kwargs(node)
+        kw = schema_args(node)
         logits, target = kw["self"], kw["target"]
         dim = self.sharded(logits)
         needs_whole = (kw.get("weight") is not None or target.meta[VAL].is_floating_point()
@@ -459,8 +458,7 @@ class _Rewriter:
 
     def _attention_dropout(self, node: fx.Node) -> None:
         """Attention with dropout on this rank's heads, eager's full mask sliced on heads."""
-        from .global_loss import _kwargs
-        kw = _kwargs(node)
+        kw = schema_args(node)
         if kw.get("enable_gqa"):
             raise PlanError(f"tensor parallelism: attention {node.name!r} "
                             f"(`{source_line(node)}`) uses enable_gqa with dropout; repeat the "
