@@ -31,6 +31,11 @@ chromium:
 test: $(STAMP) chromium
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
+# The process-free tier (tests/conftest.py): capture, cost model, search, passes on one
+# process; a test that starts a process fails here unless it is marked `procs`.
+test-fast: $(STAMP)
+	AUTOHYBRID_TEST_TIER=fast OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
 # The whole plan-space matrix (tests/_matrix.py): the CI sample plus every other valid
 # case; 1 h 29 min on a 2-core machine with other jobs alongside (load 10-28).
 test-full: $(STAMP)

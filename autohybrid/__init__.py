@@ -15,7 +15,10 @@ from .errors import (AutohybridError, CaptureError, ClusterError, NoPlanFitsErro
                      NotExecutableError, NumericsError, PlanError, RankFailure,
                      RuntimeFailure)
 from .plan import Constraints, Plan
+from .runtime import launch as _launch
 from .runtime.launch import launch
+
+_launch.PRELOAD_MODULES.append("autohybrid.compiled")  # what ah.compile imports on a rank
 
 __version__ = "0.1.0"
 logs.configure_from_env()

@@ -28,6 +28,7 @@ import torch.nn as nn
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
+from . import capture_cache
 from .errors import CaptureError
 from .graph import AH_PARAM, AH_ROLE, VAL, graph_hash, verify
 
@@ -204,6 +205,11 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
         inputs = tuple(t.to("meta") for t in inputs)
         targets = tuple(t.to("meta") for t in targets)
     inputs, targets = _widen(inputs), _widen(targets)
+    key = capture_cache.capture_key(model, inputs, targets, loss_fn, with_loss=with_loss,
+                                    autocast=autocast)
+    cached = capture_cache.lookup(key, model)
+    if cached is not None:  # this process exported the same graph before
+        return cached
     wrapper = _WithLoss(model, loss_fn, len(inputs)) if with_loss else _ForwardOnly(model)
     args = (*inputs, *targets)
     dynamic = tuple(_dynamic_dims(t) for t in args)
@@ -218,6 +224,7 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
     cap.example_shapes = [tuple(t.shape) for t in args]
     verify(cap.gm, "capture")
     cap.hash = graph_hash(cap.gm)
+    capture_cache.store(key, cap)
     return cap
 
 

@@ -6,7 +6,11 @@ from pathlib import Path
 
 def live_children(pid: int) -> list[int]:
     """Non-zombie processes whose parent is `pid`, except multiprocessing's resource
-    tracker (started once per interpreter by spawn, not by launch)."""
+    tracker (started once per interpreter by spawn, not by launch) and the warm test
+    ranks (tests/_pool.py, kept for the session on purpose)."""
+    from _pool import pids as pool_pids
+
+    warm = set(pool_pids())
     out = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -17,7 +21,8 @@ def live_children(pid: int) -> list[int]:
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == pid and fields[0] != "Z" and b"resource_tracker" not in cmdline:
+        if int(fields[1]) == pid and fields[0] != "Z" and b"resource_tracker" not in cmdline \
+                and int(entry.name) not in warm:
             out.append(int(entry.name))
     return out
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import autohybrid as ah
+from _limits import guard
 from autohybrid import baselines, cli
 from autohybrid.bench import (CPU_MEASURE, BenchError, _Job, aggregate, bench,
                               held_tensor_bytes, loss_check, step_stats, transient_peak)
@@ -137,7 +138,7 @@ def test_bench_tp_against_dtensor():
     """tp=2 (no sp) → DTensor parallelize_module, AdamW, the model from a factory: the
     same losses as eager."""
     result = bench(tiny_gpt, CPU2, steps=STEPS, warmup=WARMUP, optimizer="adamw",
-                   constraints=ah.Constraints(tp=2, dp=1, pp=1, sp=False), timeout_s=280)
+                   constraints=ah.Constraints(tp=2, dp=1, pp=1, sp=False), timeout_s=guard(280))
     data = _check_result(result, "DTensor")
     assert data["plan"]["mesh"].startswith("pp1×dp1×tp2") and data["lr"] == 1e-3
     assert data["model"] == "tiny_gpt"
@@ -153,7 +154,7 @@ def test_bench_pp_against_pipelining():
     model = MODEL + "&tie_embeddings=false"
     result = bench(model, CPU2, steps=STEPS, warmup=WARMUP,
                    constraints=ah.Constraints(pp=2, dp=1, tp=1, schedule="1f1b",
-                                              num_microbatches=2), timeout_s=280)
+                                              num_microbatches=2), timeout_s=guard(280))
     _check_result(result, "pipelining", model_bytes=_param_bytes(tie_embeddings=False))
     assert "tie_embeddings=false" in result.model
     assert max(result.run("pipelining").exposed_comm_per_rank_s) > 0

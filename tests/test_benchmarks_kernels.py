@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _limits import guard
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +31,7 @@ def test_smoke_run_prints_every_pattern_equal_to_eager():
            "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "benchmarks/kernels.py", "--smoke"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=170)
+                          env=env, capture_output=True, text=True, timeout=guard(170))
     elapsed = time.monotonic() - start
     out = proc.stdout
     assert proc.returncode == 0, f"{out[-4000:]}\n{proc.stderr[-4000:]}"

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import autohybrid as ah
+from _limits import guard
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -22,7 +23,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 def test_pipeline_balance_quick():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "benchmarks/pipeline_balance.py", "--quick"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=guard(110))
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert re.search(r"boundaries: autohybrid \['model\.[\w.]+'\] .* pipeline\(\) equal "
@@ -39,7 +40,7 @@ def test_runtime_overhead_pp_rows():
 
     config = dict(layers=2, hidden=32, heads=2, vocab=128, seq=16, tie_embeddings=False)
     results = ah.launch(ro.run_pp_rank, ah.Cluster.local(2), args=(2, config, 8, 1, 1),
-                        timeout_s=100)
+                        timeout_s=guard(100))
     first, last = results
     assert first["boundaries"] == ("model.blocks.1",)
     assert len(first["ah"]) == len(first["dt"]) == 1

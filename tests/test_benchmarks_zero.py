@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import autohybrid as ah
+from _limits import guard
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -27,7 +28,7 @@ def test_runtime_overhead_dp_rows():
     import runtime_overhead as ro
 
     results = ah.launch(ro.run_dp_rank, ah.Cluster.local(2), args=(2, TINY, 8, 1, 1),
-                        timeout_s=100)
+                        timeout_s=guard(100))
     first = results[0]
     assert sorted(first["stages"]) == [0, 1, 2, 3]
     for stage, pair in first["stages"].items():

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import autohybrid as ah
+from _limits import guard
 from autohybrid import cli
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,7 +98,7 @@ def test_plan_gpt3_175b_answers() -> None:
     takes is a benchmark's figure (benchmarks/search_scaling.py; ~25 s on a 2-core VM,
     most of it torch.export), not a timed assertion: the timeouts only catch a hang."""
     result = _cli("plan", "gpt3-175b", "--cluster", "dgx-a100-80gb", "--nodes", "128",
-                  "--global-batch", "1536", timeout=180)
+                  "--global-batch", "1536", timeout=guard(180))
     assert result.returncode in (0, 2), result.stderr
     if result.returncode == 2:
         message = result.stderr
@@ -131,7 +132,7 @@ def test_calibrate_then_plan_with_the_profile(tmp_path) -> None:
     out = tmp_path / "calibration.json"
     proc = subprocess.run([sys.executable, "-m", "autohybrid.cli", "calibrate", "--world-size",
                            "2", "--out", str(out), "--json"], env=env, capture_output=True,
-                          text=True, timeout=110)
+                          text=True, timeout=guard(110))
     assert proc.returncode == 0, proc.stderr
     profile = ah.Profile.from_json(out)
     printed = json.loads(proc.stdout)  # --json: the profile written to --out

@@ -14,6 +14,7 @@ import sys  # noqa: E402
 import textwrap  # noqa: E402
 
 import pytest  # noqa: E402
+from _limits import guard
 import torch  # noqa: E402
 import torch.fx as fx  # noqa: E402
 from hypothesis import given, settings, strategies as st  # noqa: E402
@@ -399,7 +400,7 @@ def test_every_kernel_compiles_for_sm90_and_keys_match_across_processes(tmp_path
     procs = [subprocess.Popen([sys.executable, "-c", _SUBPROCESS, json.dumps(jobs[i::2])],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
-    outs = [p.communicate(timeout=110) for p in procs]
+    outs = [p.communicate(timeout=guard(110)) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
         assert out.splitlines()[-1] == f"key {key}"

@@ -32,12 +32,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import autohybrid as ah
+from _limits import guard
+from _pool import launch as pool_launch
 from autohybrid.ops import groups
 from autohybrid.ops.collective_matmul import bounds, cm_gather_linear, cm_linear_reduce_scatter
 from autohybrid.ops.tensor_parallel import sp_gather, sp_reduce_scatter
 from autohybrid.plan import ChunkedLayer
 
-LAUNCH_TIMEOUT_S = 90
+LAUNCH_TIMEOUT_S = guard(90)
 D = torch.float64
 
 
@@ -114,7 +116,7 @@ def _cases(rank: int, world: int) -> str:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world", [2, 4])
 def test_chunked_ops_equal_the_unchunked_collective_and_linear(world):
-    results = ah.launch(_cases, ah.Cluster.local(world), args=(world,),
+    results = pool_launch(_cases, world, args=(world,),
                         timeout_s=LAUNCH_TIMEOUT_S)
     assert results == [f"ok:{r}" for r in range(world)]
 
@@ -187,7 +189,7 @@ def _trace_case(rank: int, world: int) -> str:
 
 @pytest.mark.timeout(120)
 def test_profiler_trace_interleaves_chunk_transfers_with_their_matmuls():
-    results = ah.launch(_trace_case, ah.Cluster.local(2), args=(2,),
+    results = pool_launch(_trace_case, 2, args=(2,),
                         timeout_s=LAUNCH_TIMEOUT_S)
     assert results == ["ok:0", "ok:1"]
 
@@ -232,7 +234,7 @@ def _train_rank(rank: int, world: int) -> list[str]:
 def test_training_with_collective_matmul_matches_eager():
     from _equiv import report
 
-    results = ah.launch(_train_rank, ah.Cluster.local(2), args=(2,),
+    results = pool_launch(_train_rank, 2, args=(2,),
                         timeout_s=LAUNCH_TIMEOUT_S * 2)
     assert not any(results), report(results)
 

@@ -22,13 +22,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autohybrid as ah
+from _limits import guard
+from _pool import launch as pool_launch
 from _equiv import (OPTIMIZERS, ZOO, Failures, compare_training, default_eager_loss,
                     eager_step, grads_of, head, live_children, lm_loss, record_pid, report,
                     shard_sizes, state_of, train_and_compare, wait_dead, zoo_batches, zoo_loss,
                     zoo_model)
 
 REPO = Path(__file__).resolve().parents[1]
-LAUNCH_TIMEOUT_S = 100  # below every test timeout: launch then cleans up and says why
+LAUNCH_TIMEOUT_S = guard(100)  # below every test timeout: launch then cleans up and says why
 # where a test resets the model's own weights and optimizer (ZeRO would step shards)
 DATA_PARALLEL = ah.Constraints(tp=1, pp=1, zero=0)
 
@@ -44,7 +46,7 @@ def _warm_capture():
 
 
 def _launch(fn, world: int, *args):
-    return ah.launch(fn, ah.Cluster.local(world), args=(world, *args),
+    return pool_launch(fn, world, args=(world, *args),
                      timeout_s=LAUNCH_TIMEOUT_S)
 
 
@@ -104,7 +106,7 @@ def test_torchrun_gpt_tiny_matches_eager():
     script = REPO / "tests" / "scripts" / "dp_torchrun_gpt.py"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(script)], env=env, cwd=REPO, capture_output=True, text=True, timeout=100)
+         str(script)], env=env, cwd=REPO, capture_output=True, text=True, timeout=guard(100))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert "rank 0 of 2: equal to eager" in out and "rank 1 of 2: equal to eager" in out, out
@@ -496,7 +498,8 @@ def _raise_on_rank1(rank: int, world: int, tmp: str) -> None:
 def test_rank_raising_in_train_step_is_reported_and_cleaned_up(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(ah.RankFailure) as info:
-        _launch(_raise_on_rank1, 2, str(tmp_path))
+        ah.launch(_raise_on_rank1, ah.Cluster.local(2), args=(2, str(tmp_path)),
+                  timeout_s=LAUNCH_TIMEOUT_S)   # launch's own clean-up, not warm ranks
     assert info.value.rank == 1
     assert "boom from rank 1's backward" in info.value.traceback_text
     assert time.monotonic() - t0 < 60

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 import autohybrid as ah
+from _limits import guard
+from _pool import launch as pool_launch
 from autohybrid.errors import AutohybridError, PlanError
 from autohybrid.graph import VAL, op_name
 from autohybrid.runtime.dry_run import dry_run, lm_loss, run_preset
@@ -110,8 +112,8 @@ def _ops(gm) -> list[str]:
 @pytest.mark.timeout(240)
 def test_gpt_tiny_dry_run_builds_the_runtime_s_program():
     world = 2
-    results = ah.launch(_runtime_program, ah.Cluster.local(world), args=(world,),
-                        timeout_s=100)
+    results = pool_launch(_runtime_program, world, args=(world,),
+                        timeout_s=guard(100))
     model = ah.models.preset("gpt-tiny", device="meta")
     ids = torch.zeros(1, 16, dtype=torch.long, device="meta")
     for rank, (plan_json, ops, shapes) in enumerate(results):

@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 
 import autohybrid as ah
+from _limits import guard
 from autohybrid import models
 
-LAUNCH_TIMEOUT_S = 90
+LAUNCH_TIMEOUT_S = guard(90)
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _limits import guard
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,7 +19,7 @@ def test_demo_trains_and_matches_eager():
     proc = subprocess.run(
         [sys.executable, "examples/demo.py", "--steps", "3", "--world-size", "2",
          "--layers", "1", "--hidden", "32", "--batch", "4"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=230)
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=guard(230))
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "mesh            pp1×dp2×tp1" in out

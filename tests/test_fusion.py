@@ -28,6 +28,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 import autohybrid as ah
+from _limits import guard
 from _equiv import (OPTIMIZERS, Failures, lm_loss, report, train_and_compare, zoo_batches,
                     zoo_loss, zoo_model)
 from autohybrid.capture import capture
@@ -352,5 +353,5 @@ def test_gpt_trains_like_eager_through_interpreted_fused_kernels(monkeypatch, wo
                                                                  constraints):
     monkeypatch.setenv("TRITON_INTERPRET", "1")   # fresh processes read it before triton
     results = ah.launch(_interpreted_rank, ah.Cluster.local(world),
-                        args=(world, constraints), timeout_s=220, start_method="spawn")
+                        args=(world, constraints), timeout_s=guard(220), start_method="spawn")
     assert not any(results), report(results)

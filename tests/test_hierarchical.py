@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import autohybrid as ah
+from _limits import guard
 from autohybrid.cost import comm
 from autohybrid.errors import PlanError
 from autohybrid.plan import Mesh, Plan, RankPlacement
@@ -29,7 +30,7 @@ from test_multinode import _readable, _run_two_nodes as run_two_nodes
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "hierarchical_train.py"
 NODES, PER_NODE = 2, 2
-RUN_TIMEOUT_S = 150  # both torchruns together
+RUN_TIMEOUT_S = guard(150)  # both torchruns together
 
 
 # ============================================================================ cost model

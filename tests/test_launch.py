@@ -11,6 +11,7 @@ import types
 from pathlib import Path
 
 import pytest
+from _limits import guard
 import torch
 import torch
 import torch.distributed as dist
@@ -268,7 +269,7 @@ def test_same_script_under_torchrun(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
          "--nproc-per-node", "2", str(script)],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=50)
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=guard(50))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for r in (0, 1):
         text = (tmp_path / f"rank{r}.txt").read_text()

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import autohybrid as ah
+from _limits import guard
+from _pool import launch as pool_launch
 from _equiv import (OPTIMIZERS, Failures, compare_training, default_eager_loss, lm_loss,
                     report, zoo_loss)
 from autohybrid.errors import NotExecutableError
@@ -17,7 +19,7 @@ from autohybrid.ops.zero import shard_of
 from autohybrid.runtime.bytecount import ByteCounter, MemoryBudgetExceeded
 from autohybrid.runtime.materialize import Materializer
 
-LAUNCH_TIMEOUT_S = 300
+LAUNCH_TIMEOUT_S = guard(300)
 SEED = 7
 C = ah.Constraints
 
@@ -58,7 +60,7 @@ def test_meta_models_materialize_their_shards_and_train_like_eager():
              ("llama-tiny", C(dp=1, tp=2, pp=2, schedule="1f1b", num_microbatches=2)),
              ("gpt-tiny", C(dp=2, tp=1, pp=2, zero=1, schedule="gpipe", num_microbatches=2)),
              ("mlp-tiny", C(dp=4, tp=1, pp=1))]
-    results = ah.launch(_materialize_rank, ah.Cluster.local(4), args=(4, cases),
+    results = pool_launch(_materialize_rank, 4, args=(4, cases),
                         timeout_s=LAUNCH_TIMEOUT_S)
     assert not any(results), report(results)
 

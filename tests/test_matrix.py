@@ -44,6 +44,8 @@ import pytest
 import torch
 
 import autohybrid as ah
+from _limits import guard
+from _pool import launch as pool_launch
 from _equiv import OPTIMIZERS, Failures, compare_training, report, zoo_loss
 from _matrix import (DIMENSIONS, EIGHT_RANKS, LAYERS, MESHES, PRECISION_SETUP, Case,
                      all_pairs_cover, all_valid_cases, build_batches, build_model, chunks,
@@ -53,9 +55,9 @@ from autohybrid.capture import capture
 from autohybrid.passes.recompute import checkpoint_region
 
 FULL = os.environ.get("AUTOHYBRID_TEST_FULL") == "1"
-CI_LAUNCH_TIMEOUT_S = 600                 # one launch per world size
+CI_LAUNCH_TIMEOUT_S = guard(600)                 # one launch per world size
 FULL_CHUNK_S = 360                        # estimated seconds (`Case.seconds`) per launch
-FULL_LAUNCH_TIMEOUT_S = 1500
+FULL_LAUNCH_TIMEOUT_S = guard(1500)
 
 
 # ============================================================================ the sample
@@ -86,7 +88,7 @@ def test_samples_do_not_depend_on_string_hashing():
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent,
                          env={**os.environ, "PYTHONHASHSEED": seed,
                               "PYTHONPATH": os.pathsep.join(sys.path)}, check=True,
-                         capture_output=True, text=True, timeout=120).stdout
+                         capture_output=True, text=True, timeout=guard(120)).stdout
     assert out.strip() == here
 
 
@@ -226,7 +228,7 @@ def _run(cases: tuple[Case, ...], timeout_s: float) -> None:
     _warm_up_this_process()
     world = cases[0].world
     start = time.perf_counter()
-    results = ah.launch(_matrix_rank, ah.Cluster.local(world), args=(world, cases),
+    results = pool_launch(_matrix_rank, world, args=(world, cases),
                         timeout_s=timeout_s)
     print(f"\n{len(cases)} cases on {world} ranks in {time.perf_counter() - start:.1f} s")
     for name, s in results[0]["seconds"].items():

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import autohybrid as ah
+from _limits import guard
 from autohybrid.errors import ClusterError
 from autohybrid.runtime.launch import free_port
 
@@ -33,7 +34,7 @@ from _procs import is_dead, live_children
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "multinode_train.py"
 NODES, PER_NODE = 2, 2
-RUN_TIMEOUT_S = 100  # both torchruns together; a normal run takes about 20 s on 2 cores
+RUN_TIMEOUT_S = guard(100)  # both torchruns together; a normal run takes about 20 s on 2 cores
 TAG = "AUTOHYBRID_TEST_MULTINODE_TAG"  # marks every process a run starts (for cleanup)
 
 
@@ -170,7 +171,7 @@ def _stop(procs: list[subprocess.Popen], tag: str) -> None:
             p.terminate()
     for p in procs:
         with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(timeout=5)
+            p.wait(timeout=guard(5))
     for p in procs:
         if p.poll() is None:
             p.kill()

@@ -33,12 +33,14 @@ import pytest
 import torch
 
 import autohybrid as ah
+from _limits import guard
+from _pool import launch as pool_launch
 from autohybrid.errors import RuntimeFailure
 from autohybrid.runtime.reducer import GradReducer
 from _equiv import (OPTIMIZERS, Failures, compare_training, default_eager_loss, report,
                     zoo_batches, zoo_loss, zoo_model)
 
-LAUNCH_TIMEOUT_S = 150
+LAUNCH_TIMEOUT_S = guard(150)
 NAME = "gpt-tiny"
 BUCKET_MB = 0.01  # several buckets per rank
 
@@ -112,7 +114,7 @@ def _overlap_rank(rank: int, world: int) -> tuple[list[str], dict]:
 
 @pytest.mark.timeout(240)
 def test_pipeline_dp_buckets_launch_during_the_schedule_and_match_eager():
-    results = ah.launch(_overlap_rank, ah.Cluster.local(4), args=(4,),
+    results = pool_launch(_overlap_rank, 4, args=(4,),
                         timeout_s=LAUNCH_TIMEOUT_S)
     fails = [f for f, _ in results]
     assert not any(fails), report(fails)

@@ -21,6 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autohybrid as ah
+from _limits import guard
+from _pool import launch as pool_launch
 from _equiv import (OPTIMIZERS, Failures, lm_loss, report, train_and_compare, zoo_batches,
                     zoo_loss, zoo_model)
 from autohybrid.capture import capture
@@ -28,7 +30,7 @@ from autohybrid.errors import PlanError
 from autohybrid.graph import VIEW_OPS, op_name
 from autohybrid.passes import PassContext, passes_for, run_passes
 
-LAUNCH_TIMEOUT_S = 240
+LAUNCH_TIMEOUT_S = guard(240)
 #: (schedule, virtual stages, microbatches per rank at pp 2, at pp 4)
 SCHEDULES = [("gpipe", 1, 2, 4), ("1f1b", 1, 2, 4), ("interleaved", 2, 2, 4),
              ("looped-bfs", 2, 2, 4), ("zero-bubble", 2, 2, 4), ("zbv", 2, 4, 8),
@@ -36,7 +38,7 @@ SCHEDULES = [("gpipe", 1, 2, 4), ("1f1b", 1, 2, 4), ("interleaved", 2, 2, 4),
 
 
 def _launch(fn, world: int, *args):
-    return ah.launch(fn, ah.Cluster.local(world), args=(world, *args),
+    return pool_launch(fn, world, args=(world, *args),
                      timeout_s=LAUNCH_TIMEOUT_S)
 
 

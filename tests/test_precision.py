@@ -18,11 +18,13 @@ import torch
 import torch.nn.functional as F
 
 import autohybrid as ah
+from _limits import guard
+from _pool import launch as pool_launch
 from _equiv import Failures, grads_of, lm_loss, report, state_of
 from autohybrid.errors import AutohybridError, NotExecutableError
 from autohybrid.runtime.precision import LossScaler
 
-LAUNCH_TIMEOUT_S = 300
+LAUNCH_TIMEOUT_S = guard(300)
 C = ah.Constraints
 #: assert_close tolerances of values computed in each dtype (fp32 results of 16-bit math)
 TOLERANCE = {torch.bfloat16: dict(rtol=2e-2, atol=2e-3),
@@ -124,7 +126,7 @@ def test_mixed_precision_matches_eager_autocast():
         ("gpt-tiny", torch.bfloat16, C(dp=2, tp=1, pp=1, grad_reduce_dtype="bfloat16"),
          "sgd"),
     ]
-    results = ah.launch(_precision_rank, ah.Cluster.local(2), args=(2, cases),
+    results = pool_launch(_precision_rank, 2, args=(2, cases),
                         timeout_s=LAUNCH_TIMEOUT_S)
     assert not any(results), report(results)
 

@@ -20,6 +20,8 @@ import torch
 import torch.fx as fx
 
 import autohybrid as ah
+from _limits import guard
+from _pool import launch as pool_launch
 from _equiv import (OPTIMIZERS, Failures, compare_training, default_eager_loss, eager_step,
                     lm_loss, report, train_and_compare, zoo_batches, zoo_loss, zoo_model)
 from autohybrid.capture import capture
@@ -111,7 +113,7 @@ def _equivalence_rank(rank: int, world: int) -> list[str]:
 
 @pytest.mark.timeout(240)
 def test_full_and_selective_recompute_match_eager_at_dp2_tp2_pp2():
-    results = ah.launch(_equivalence_rank, ah.Cluster.local(2), args=(2,), timeout_s=240)
+    results = pool_launch(_equivalence_rank, 2, args=(2,), timeout_s=guard(240))
     assert not any(results), report(results)
 
 

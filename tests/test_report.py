@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 
 import autohybrid as ah
+from _limits import guard
 from autohybrid.graph import op_name
 from autohybrid.models import spec
 from autohybrid.report import graphview
@@ -164,7 +165,7 @@ def _chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     cmd = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu",
            "--disable-background-networking", "--disable-component-update", "--no-first-run",
            f"--user-data-dir={tmp_path / 'chromium-profile'}", *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=90)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=guard(90))
     assert done.returncode == 0, f"chromium failed ({done.returncode}): {done.stderr[-2000:]}"
     return done
 

@@ -17,6 +17,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 import autohybrid as ah
+from _limits import guard
+from _pool import launch as pool_launch
 from _equiv import (Failures, eager_step, grads_of, lm_loss, report, state_of, zoo_batches,
                     zoo_model)
 from autohybrid.ops import tensor_parallel as tp_ops
@@ -83,7 +85,7 @@ def _rank(rank: int) -> list[str]:
 
 @pytest.mark.timeout(200)
 def test_check_passes_a_right_plan_and_names_the_parameter_of_a_wrong_one():
-    results = ah.launch(_rank, ah.Cluster.local(2), timeout_s=180)
+    results = pool_launch(_rank, 2, timeout_s=guard(180))
     assert not any(results), report(results)
 
 

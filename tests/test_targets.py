@@ -23,6 +23,8 @@ import pytest
 import torch
 
 import autohybrid as ah
+from _limits import guard
+from _pool import launch as pool_launch
 from autohybrid.capture import capture
 from autohybrid.models import coverage
 
@@ -166,7 +168,7 @@ def _two_ranks(rank: int, with_t5: bool) -> tuple[list[str], dict[str, str]]:
 @pytest.mark.timeout(480)
 def test_t5_and_llama_without_example_targets_train_like_eager() -> None:
     with_t5 = coverage.have_transformers()
-    results = ah.launch(_two_ranks, ah.Cluster.local(2), args=(with_t5,), timeout_s=420)
+    results = pool_launch(_two_ranks, 2, args=(with_t5,), timeout_s=guard(420))
     fails = [r[0] for r in results]
     assert all(not f for f in fails), report(fails)
     if with_t5:
@@ -186,5 +188,5 @@ def _zero_ranks(rank: int) -> list[str]:
 
 @pytest.mark.timeout(300)
 def test_llama_tp_and_zero_without_example_targets_train_like_eager() -> None:
-    results = ah.launch(_zero_ranks, ah.Cluster.local(4), timeout_s=240)
+    results = pool_launch(_zero_ranks, 4, timeout_s=guard(240))
     assert all(not f for f in results), report(results)

@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 
 import autohybrid as ah
+from _limits import guard
 from autohybrid.report.timeline import (Interval, Timeline, predicted_timeline, subtract,
                                         total, union, write_chrome_trace)
 from autohybrid.runtime.profile import timeline_from_events
 
-LAUNCH_TIMEOUT_S = 240  # below the measured tests' timeout: launch then says why
+LAUNCH_TIMEOUT_S = guard(240)  # below the measured tests' timeout: launch then says why
 BUCKET_MB = 0.03        # gpt-tiny's ~116 KB of fp32 gradients in ≥ 2 buckets
 DP = ah.Constraints(dp=2, tp=1, pp=1, zero=0, bucket_mb=BUCKET_MB)
 TP = ah.Constraints(dp=1, tp=2, pp=1, zero=0)

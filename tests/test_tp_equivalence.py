@@ -16,15 +16,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autohybrid as ah
+from _limits import guard
+from _pool import launch as pool_launch
 from _equiv import (OPTIMIZERS, Failures, compare_training, default_eager_loss, eager_step,
                     lm_loss, report, train_and_compare, zoo_batches, zoo_loss, zoo_model)
 from autohybrid.graph import op_name
 
-LAUNCH_TIMEOUT_S = 150
+LAUNCH_TIMEOUT_S = guard(150)
 
 
 def _launch(fn, world: int, *args):
-    return ah.launch(fn, ah.Cluster.local(world), args=(world, *args),
+    return pool_launch(fn, world, args=(world, *args),
                      timeout_s=LAUNCH_TIMEOUT_S)
 
 

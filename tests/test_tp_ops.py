@@ -18,19 +18,21 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import autohybrid as ah
+from _limits import guard
+from _pool import launch as pool_launch
 from autohybrid.errors import RuntimeFailure
 from autohybrid.ops import groups
 from autohybrid.ops.tensor_parallel import (sp_gather, sp_reduce_scatter, tp_copy, tp_gather,
                                             tp_reduce, tp_split)
 from autohybrid.ops.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
 
-LAUNCH_TIMEOUT_S = 90
+LAUNCH_TIMEOUT_S = guard(90)
 D = torch.float64
 AH = torch.ops.autohybrid
 
 
 def _launch(fn, world: int, *args) -> None:
-    results = ah.launch(_bound_rank, ah.Cluster.local(world), args=(fn, world, *args),
+    results = pool_launch(_bound_rank, world, args=(fn, world, *args),
                         timeout_s=LAUNCH_TIMEOUT_S)
     assert results == [f"{fn.__name__}:{r}" for r in range(world)]
 

@@ -25,6 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autohybrid as ah
+from _limits import guard
+from _pool import launch as pool_launch
 from _equiv import OPTIMIZERS, Failures, lm_loss, report, train_and_compare
 from autohybrid.api import make_plan
 from autohybrid.capture import capture
@@ -327,5 +329,5 @@ def _rank(rank: int) -> list[str]:
 
 @pytest.mark.timeout(420)
 def test_fused_projections_rnns_and_replicated_regions_train_like_eager_at_tp2():
-    results = ah.launch(_rank, ah.Cluster.local(2), timeout_s=400)
+    results = pool_launch(_rank, 2, timeout_s=guard(400))
     assert not any(results), report(results)

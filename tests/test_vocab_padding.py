@@ -18,13 +18,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autohybrid as ah
+from _limits import guard
+from _pool import launch as pool_launch
 from _equiv import OPTIMIZERS, Failures, lm_loss, report, train_and_compare
 from autohybrid.graph import op_name
 from autohybrid.ops.vocab_parallel import vocab_parallel_embedding
 
 D = torch.float64
 VOCAB, PADDED, WAYS, DIM = 13, 16, 4, 6
-LAUNCH_TIMEOUT_S = 180
+LAUNCH_TIMEOUT_S = guard(180)
 
 
 def _ids_with_pads(pad: int) -> torch.Tensor:
@@ -158,7 +160,7 @@ def test_padding_idx_models_under_tp2_match_eager():
     """A small LM with nn.Embedding(padding_idx=0) (SGD and AdamW), the same tied with
     padding_idx on rank 1's shard, and BERT-tiny (pad_token_id=0), every batch with pad
     tokens: losses, gradients and parameters equal eager's after every step."""
-    results = ah.launch(_model_rank, ah.Cluster.local(2), args=(2,), timeout_s=LAUNCH_TIMEOUT_S)
+    results = pool_launch(_model_rank, 2, args=(2,), timeout_s=LAUNCH_TIMEOUT_S)
     assert not any(results), report(results)
 
 

@@ -21,6 +21,8 @@ import pytest
 import torch
 
 import autohybrid as ah
+from _limits import guard
+from _pool import launch as pool_launch
 from _equiv import (OPTIMIZERS, Failures, compare_training, default_eager_loss, lm_loss,
                     report, train_and_compare, zoo_batches, zoo_loss, zoo_model)
 from autohybrid.capture import capture
@@ -31,12 +33,12 @@ from autohybrid.ops.zero import (chunk, release_gathered, zero_gather,
 from autohybrid.passes import PassContext, passes_for, run_passes
 from autohybrid.search.layers import segment
 
-LAUNCH_TIMEOUT_S = 300
+LAUNCH_TIMEOUT_S = guard(300)
 C = ah.Constraints
 
 
 def _launch(fn, world: int, *args):
-    return ah.launch(fn, ah.Cluster.local(world), args=(world, *args),
+    return pool_launch(fn, world, args=(world, *args),
                      timeout_s=LAUNCH_TIMEOUT_S)
 
 
