@@ -28,6 +28,7 @@ from autohybrid.compiled import CompiledModel
 from autohybrid.ops import tensor_parallel as tp_ops
 from autohybrid.runtime.selfcheck import (FirstStepCheck, check_mode, has_random_ops,
                                           requested_check, whole_check_bytes)
+from autohybrid.runtime.stage_exchange import recv_value, send_value, wait_all
 
 TP = ah.Constraints(tp=2, dp=1, pp=1, sp=False)
 
@@ -126,15 +127,32 @@ def _count_whole_gathers(calls: list[str]) -> None:
         setattr(CompiledModel, name, counted)
 
 
+def _exchange_values(fails: Failures, rank: int) -> None:
+    """What crosses stages arrives as sent: tensors (with requires_grad), sizes, None."""
+    sent = [torch.arange(6.0, dtype=torch.float64).reshape(2, 3).requires_grad_(), 7, 2.5,
+            None, True, torch.tensor([[1, 2]])]
+    if rank == 0:
+        works = [w for v in sent for w in send_value(v, 1, tag=5, device=torch.device("cpu"))]
+        wait_all(works)
+    elif rank == 1:
+        got = [recv_value(0, tag=5, device=torch.device("cpu")) for _ in sent]
+        fails.check(f"exchange: {got}", got[1:5] == sent[1:5] and got[0].requires_grad
+                    and torch.equal(got[0], sent[0]) and torch.equal(got[5], sent[5])
+                    and not got[5].requires_grad)
+
+
 def _stage_rank(rank: int) -> list[str]:
-    """pp2×dp2 (ZeRO-1) and pp2×tp2 on 4 ranks under check='stage': right plans pass and
-    train like eager; with the injected bug the pp2×tp2 check names the parameter."""
+    """pp2×dp2 (ZeRO-1, V-shaped: rank 0's reference runs the first and the last stage)
+    and pp2×tp2 on 4 ranks under check='stage': right plans pass and train like eager;
+    with the injected bug the pp2×tp2 check names the parameter."""
     fails = Failures()
+    _exchange_values(fails, rank)
     (x,), y = zoo_batches("gpt-tiny", 8, steps=1)[0]
     calls: list[str] = []
     _count_whole_gathers(calls)
     everything = [n for n, _ in zoo_model("gpt-tiny").named_parameters()]
-    cases = {"pp2×dp2": ah.Constraints(pp=2, dp=2, tp=1, zero=1, num_microbatches=2),
+    cases = {"pp2×dp2 zbv": ah.Constraints(pp=2, dp=2, tp=1, zero=1, schedule="zbv",
+                                           virtual_stages=2, num_microbatches=4),
              "pp2×tp2": ah.Constraints(pp=2, dp=1, tp=2, sp=False, num_microbatches=2)}
     for case, constraints in cases.items():
         model = zoo_model("gpt-tiny")

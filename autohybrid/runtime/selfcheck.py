@@ -1,6 +1,18 @@
-"""The numerics self-check of `ah.compile(..., check=True)`: the first step against eager.
+"""The numerics self-check of `ah.compile(..., check=...)`: the first step against eager.
 
-Owns the eager reference and the comparison; compiled.py calls it. Rank 0 holds an eager
+Owns which check runs (`requested_check`, `check_mode`), the whole-model eager reference
+and the comparison; compiled.py calls it. The per-stage check, for models too big for one
+rank, is runtime/selfcheck_stage.py.
+
+Which check: `check="whole"` is the one below; `check="stage"` checks each pipeline stage
+on its own rank; `check=True` takes "whole" where rank 0's predicted share of the plan
+plus what the whole check adds (an eager copy of the model and its gradients, the
+gathered gradients, eager's activations of the global batch: `whole_check_bytes`) fits
+its device memory (less `cost.memory.MEMORY_HEADROOM`), "stage" otherwise. A plan
+without pipeline stages that does not fit is refused at compile time with the figures;
+nothing is skipped silently.
+
+check="whole": rank 0 holds an eager
 copy of the model, taken before anything is sharded (a model on the meta device is
 materialized with `ah.init`'s values, as its shards are). After the compiled model's
 first forward and backward — before clipping and before the optimizer steps — every rank

@@ -197,6 +197,7 @@ class _Reference:
         self.leaves: dict[tuple[int, str], torch.Tensor] = {}  # (stage, name): one per stage
         self.local: dict[tuple, list] = {}   # messages between two stages of this rank
         self.works: list[dist.Work] = []
+        self.outbox: list[tuple] = []        # (kind, dst, src, seq, value, tensor) to send
         S = routes.stages
         self.tags = {"fwd": 1, "bwd": 1 + S * S, "param": 1 + 2 * S * S}
 
@@ -204,13 +205,18 @@ class _Reference:
         mine, last = self.check.mine, self.routes.stages - 1
         loss = None
         with self.cap.autocast_context(list(self.values.values())):
-            for s in mine:
+            for i, s in enumerate(mine):
                 out = self._forward(s)
                 if s == last:
                     loss = out[self.cap.user_outputs[0]]
-        for s in reversed(mine):
+                ahead = mine[i + 1] if i + 1 < len(mine) else self.routes.stages
+                self._flush("fwd", lambda dst: dst < ahead, descending=False)
+        for i, s in enumerate(reversed(mine)):
             self._backward(s, loss if s == last else None)
+            below = mine[-i - 2] if i + 2 <= len(mine) else -1
+            self._flush("bwd", lambda dst: dst > below, descending=True)
         grads = self._param_grads()
+        self._flush("param", lambda dst: True, descending=False)
         wait_all(self.works)
         return loss, grads
 
@@ -219,13 +225,26 @@ class _Reference:
         return self.tags[kind] + src * self.routes.stages + dst
 
     def _send(self, kind: str, src: int, dst: int, value: Any, tensor: bool = False) -> None:
-        rank = self.check.ref[dst]
-        if rank == self.check.rank:
+        if self.check.ref[dst] == self.check.rank:
             self.local.setdefault((kind, src, dst), []).append(value)
-        elif tensor:
-            self.works += send_tensor(value, rank, self._tag(kind, src, dst))
         else:
-            self.works += send_value(value, rank, self._tag(kind, src, dst))
+            self.outbox.append((kind, dst, src, len(self.outbox), value, tensor))
+
+    def _flush(self, kind: str, ready: Any, descending: bool) -> None:
+        """Send the waiting messages of `kind` whose destination stage is `ready`, in the
+        order the receivers take them: by destination stage (descending in the
+        backward, as the receivers run their stages), then source stage, then graph
+        order (a tied parameter's partial gradients: by name, then source stage). Tags
+        tell gloo's messages apart; NCCL matches by order alone, and this order is the
+        receivers' on every pair of ranks."""
+        now = [m for m in self.outbox if m[0] == kind and ready(m[1])]
+        self.outbox = [m for m in self.outbox if not (m[0] == kind and ready(m[1]))]
+        if kind != "param":   # parameters: by name, then source stage (as appended)
+            now.sort(key=lambda m: (-m[1] if descending else m[1], m[2], m[3]))
+        for _, dst, src, _, value, tensor in now:
+            rank, tag = self.check.ref[dst], self._tag(kind, src, dst)
+            self.works += (send_tensor(value, rank, tag) if tensor
+                           else send_value(value, rank, tag, self.device))
 
     def _recv(self, kind: str, src: int, dst: int, like: torch.Tensor | None = None) -> Any:
         rank = self.check.ref[src]

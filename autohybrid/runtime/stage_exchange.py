@@ -9,7 +9,7 @@ non-blocking (`isend`, waited with `wait_all`) so that a rank hosting several st
 never blocks on itself; receives block. Messages of one (source, destination) pair and
 tag arrive in the order they were sent.
 
-    works = send_value(x, dst=1, tag=7)
+    works = send_value(x, dst=1, tag=7, device=torch.device("cpu"))
     x = recv_value(src=0, tag=7, device=torch.device("cpu"))   # on rank 1
     wait_all(works)
 """
@@ -58,11 +58,10 @@ def _header(value: Any) -> torch.Tensor:
     return head
 
 
-def send_value(value: Any, dst: int, tag: int) -> list[dist.Work]:
-    """Start sending `value` to rank `dst`; the works to wait for."""
-    head = _header(value)
-    device = value.device if isinstance(value, torch.Tensor) else torch.device("cpu")
-    works = [dist.isend(head.to(_comm_device(device)), dst, tag=tag)]
+def send_value(value: Any, dst: int, tag: int, device: torch.device) -> list[dist.Work]:
+    """Start sending `value` to rank `dst` (its header from `device`, the device the
+    backend sends from); the works to wait for."""
+    works = [dist.isend(_header(value).to(device), dst, tag=tag)]
     if isinstance(value, torch.Tensor):
         works.append(dist.isend(value.detach().contiguous(), dst, tag=tag))
     return works
@@ -71,7 +70,7 @@ def send_value(value: Any, dst: int, tag: int) -> list[dist.Work]:
 def recv_value(src: int, tag: int, device: torch.device) -> Any:
     """Receive one value from rank `src` (a tensor on `device`, a leaf that requires a
     gradient when the sent one did)."""
-    head = torch.empty(_HEADER, dtype=torch.int64, device=_comm_device(device))
+    head = torch.empty(_HEADER, dtype=torch.int64, device=device)
     dist.recv(head, src, tag=tag)
     head = head.cpu().tolist()
     kind = head[0]
@@ -105,7 +104,3 @@ def wait_all(works: list[dist.Work]) -> None:
     for work in works:
         work.wait()
 
-
-def _comm_device(device: torch.device) -> torch.device:
-    """Headers travel on the device the backend sends from (NCCL: the GPU)."""
-    return device if device.type != "cpu" else torch.device("cpu")
