@@ -143,8 +143,8 @@ def _exchange_values(fails: Failures, rank: int) -> None:
 
 def _stage_rank(rank: int) -> list[str]:
     """pp2×dp2 (ZeRO-1, V-shaped: rank 0's reference runs the first and the last stage)
-    and pp2×tp2 on 4 ranks under check='stage': right plans pass and train like eager;
-    with the injected bug the pp2×tp2 check names the parameter."""
+    and pp2×tp2 (also of a meta model) on 4 ranks under check='stage': right plans pass
+    and train like eager; with the injected bug the pp2×tp2 check names the parameter."""
     fails = Failures()
     _exchange_values(fails, rank)
     (x,), y = zoo_batches("gpt-tiny", 8, steps=1)[0]
@@ -154,12 +154,16 @@ def _stage_rank(rank: int) -> list[str]:
     cases = {"pp2×dp2 zbv": ah.Constraints(pp=2, dp=2, tp=1, zero=1, schedule="zbv",
                                            virtual_stages=2, num_microbatches=4),
              "pp2×tp2": ah.Constraints(pp=2, dp=1, tp=2, sp=False, num_microbatches=2)}
+    cases["pp2×tp2 meta"] = cases["pp2×tp2"]   # materialized shard by shard
     for case, constraints in cases.items():
-        model = zoo_model("gpt-tiny")
-        ref = copy.deepcopy(model)
+        meta = case.endswith("meta")
+        model = (ah.models.preset("gpt-tiny", device="meta").double() if meta
+                 else zoo_model("gpt-tiny"))
+        ref = (ah.init.materialize(copy.deepcopy(model), 3) if meta
+               else copy.deepcopy(model))
         compiled = ah.compile(model, ah.Cluster.local(4), (x,), loss_fn=lm_loss,
                               example_targets=y, optimizer=_sgd, constraints=constraints,
-                              check="stage")
+                              check="stage", init_seed=3 if meta else None)
         loss = compiled.train_step((x,), y)
         fails.check(f"{case}: checked stage by stage, no whole gather ({calls})",
                     compiled._check.per_stage and not calls)

@@ -47,8 +47,10 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from ..errors import NumericsError
+from ..passes.manager import copy_graph_module
 from ..passes.pipeline_split import assign_stages, recomputed
 from ..plan import Plan
+from .materialize import retarget_device
 from .selfcheck import _RTOL, _DEFAULT_RTOL, _close, _differs, refuse_random
 from .stage_exchange import recv_like, recv_value, send_tensor, send_value, wait_all
 
@@ -134,7 +136,9 @@ class StageCheck:
         want: dict[str, torch.Tensor | None] = {}
         ref_loss = None
         if self.mine:
-            run = _Reference(self, StageRoutes(cap.gm, self.plan.stage_boundaries,
+            gm = copy_graph_module(cap.gm)   # a meta model's factory ops: this device
+            retarget_device(gm, batch[0][0].device)
+            run = _Reference(self, StageRoutes(gm, self.plan.stage_boundaries,
                                                self.plan.num_stages), cap, values, batch)
             state = torch.random.get_rng_state()
             torch.random.set_rng_state(rng)
