@@ -162,7 +162,11 @@ class StageCheck:
         if problems:
             raise NumericsError(problems[0][1])
 
-    def _compare(self, loss, ref_loss, grads, want, order, rtol, atol) -> list[tuple]:
+    def _compare(self, loss: torch.Tensor, ref_loss: torch.Tensor | None,
+                 grads: dict[str, torch.Tensor | None], want: dict[str, torch.Tensor | None],
+                 order: list[str], rtol: float, atol: float) -> list[tuple[int, str]]:
+        """(position in `order`, message) of each difference this rank found; the loss
+        after every parameter."""
         out = []
         if ref_loss is not None and not _close(loss.detach().to(ref_loss.dtype),
                                                ref_loss.detach(), rtol, atol):
