@@ -168,7 +168,7 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
             constraints: Constraints | None = None, global_batch: int | None = None,
             dtype: torch.dtype | str | None = None,
             grad_scaler: torch.amp.GradScaler | bool | None = None,
-            init_seed: int | None = None, check: bool = False) -> "CompiledModel":
+            init_seed: int | None = None, check: bool | str = False) -> "CompiledModel":
     """Compile `model` for `cluster`: capture, plan (or check `plan`), rewrite, set up ranks.
 
     Call it on every rank (inside `ah.launch` or torchrun) with the same arguments.
@@ -179,9 +179,15 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
     its part, with the values `ah.init.materialize(model, init_seed)` gives the whole
     model (runtime/materialize.py). `check=True` runs the first step in eager too (rank 0
     holds an eager copy) and raises NumericsError, naming the first parameter whose
-    gathered gradient differs, before the optimizer steps (runtime/selfcheck.py).
+    gathered gradient differs, before the optimizer steps (runtime/selfcheck.py); where
+    the whole model does not fit on rank 0 beside its share, each pipeline stage is
+    checked on its own rank instead (runtime/selfcheck_stage.py). check='whole' or
+    check='stage' picks one of the two.
     """
     from .compiled import CompiledModel
+    from .runtime.selfcheck import requested_check
+
+    check = requested_check(check)
 
     cluster = _check_cluster(cluster)
     on_meta = [p.device.type == "meta" for p in model.parameters()]
@@ -216,7 +222,7 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
                          example_targets=example_targets, optimizer_factory=optimizer,
                          plan=plan, constraints=constraints, global_batch=global_batch,
                          autocast=compute, grad_scaler=grad_scaler, init_seed=init_seed,
-                         check=bool(check))
+                         check=check)
 
 
 def _param_dtype(model: nn.Module) -> torch.dtype:

@@ -124,9 +124,12 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--optimizer", default="adamw", choices=("sgd", "adamw"))
     train.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     train.add_argument("--save", default=None, help="save the trained full state dict here")
-    train.add_argument("--check", action="store_true",
-                       help="compare the first step with eager (rank 0 holds an eager copy) "
-                            "and stop, naming the first parameter whose gradient differs")
+    train.add_argument("--check", nargs="?", const="auto", default=None,
+                       choices=("auto", "whole", "stage"),
+                       help="compare the first step with a reference and stop, naming the "
+                            "first parameter whose gradient differs: 'whole' (rank 0 holds an "
+                            "eager copy), 'stage' (one rank per pipeline stage holds that "
+                            "stage), 'auto' (the default: whole where it fits on one rank)")
     return parser
 
 
@@ -428,7 +431,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _train_rank(rank: int, ref: str, world: int, steps: int, plan_json: str | None,
                 constraints: Any, global_batch: int | None, optimizer: str, lr: float,
-                save: str | None, check: bool = False) -> dict[str, Any]:
+                save: str | None, check: str | None = None) -> dict[str, Any]:
     """One rank of `autohybrid train MODEL`: compile, train `steps` steps, report."""
     import torch
 
@@ -447,7 +450,8 @@ def _train_rank(rank: int, ref: str, world: int, steps: int, plan_json: str | No
     compiled = api.compile(work.model, Cluster.local(world), inputs, loss_fn=work.loss_fn,
                            example_targets=targets, optimizer=make,
                            plan=Plan.from_json(plan_json) if plan_json else None,
-                           constraints=constraints, global_batch=batch, check=check)
+                           constraints=constraints, global_batch=batch,
+                           check=True if check == "auto" else (check or False))
     losses, times = [], []
     for inputs, targets in batches:
         start = time.perf_counter()
@@ -495,7 +499,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         for step, (loss, s) in enumerate(zip(first["losses"], first["step_s"])):
             print(f"  step {step:>3}  loss {loss:.6f}  {s * 1e3:8.1f} ms")
         if args.check:
-            print("  the first step's loss and gradients equal eager's (--check)")
+            print(f"  the first step's loss and gradients equal the reference's "
+                  f"(--check {args.check})")
         print(f"all {len(results)} ranks report the same losses: {agree}"
               + (f"; saved the full state dict to {args.save}" if args.save else ""))
     return 0 if agree else EXIT_FAILED

@@ -37,7 +37,7 @@ from .runtime.tp_state import ShardedParameters
 from .init import replace_parameters
 from .runtime.materialize import Materializer, retarget_device
 from .runtime.precision import LossScaler
-from .runtime.selfcheck import FirstStepCheck
+from .runtime.selfcheck import check_mode, make_check
 from .runtime.zero import ZeroShards
 
 
@@ -48,7 +48,7 @@ class CompiledModel:
                  constraints: Constraints | None, global_batch: int | None,
                  autocast: torch.dtype | None = None,
                  grad_scaler: torch.amp.GradScaler | bool | None = None,
-                 init_seed: int | None = None, check: bool = False):
+                 init_seed: int | None = None, check: str | None = None):
         from .api import check_plan_fits_model, make_plan, optimizer_kind
 
         ensure_initialized(cluster.world_size)
@@ -59,9 +59,6 @@ class CompiledModel:
         self.materializer = (Materializer(model, init_seed, self.device)
                              if _on_meta(model) else None)
         self.example_inputs = tuple(t.to(self.device) for t in example_inputs)
-        #: check=True: rank 0's eager copy, taken before anything is sharded
-        self._check = (FirstStepCheck(model, self.rank, init_seed, autocast)
-                       if check else None)
         self._forward_captures: dict[bool, CapturedGraph] = {}
         self.sharded: ShardedParameters | None = None  # this rank's shards (tp > 1)
         self._owned: set[str] | None = None  # parameters of this rank's stages (pp > 1)
@@ -101,6 +98,10 @@ class CompiledModel:
             check_plan_fits_model(plan, named, cluster,
                                   other=forward if named.with_loss else None)
         self.plan = plan
+        #: check=...: the first step against eager (its copy taken before any sharding)
+        self._check = make_check(check_mode(check, plan, _param_bytes(model),
+                                            cluster.device.memory_bytes),
+                                 model, plan, self.rank, init_seed, autocast)
         self._check_batch_norm_microbatches()
         check_same_plan(plan.hash())
         mesh = build_mesh(plan, cluster.device_type)
@@ -447,10 +448,18 @@ class CompiledModel:
             raise AutohybridError("check=True compares the first step on the global batch "
                                   "with eager: call the first train_step without local=True")
         rng = self._check.rng_state()
+        if self._check.per_stage:
+            self._check.before_step(self.executor.state,
+                                    [n for n, _ in self.model.named_buffers()])
         loss = self.forward_backward(inputs, targets, local=local)
         self._check.refuse_unless_comparable(self._train.gm, self.plan.mesh.dp,
                                              self.plan.num_microbatches)
         xs, ys = self._inputs(inputs, "inputs", None), self._inputs(targets, "targets", None)
+        if self._check.per_stage:  # no rank gathers more than its own stages
+            self._check.verify(loss, self._train, self._stage_full(grads=False),
+                               self._stage_full(grads=True), list(self._trained_names()),
+                               (xs, ys), rng)
+            return self._step(loss, max_grad_norm)
 
         def eager_loss(ref: nn.Module) -> torch.Tensor:  # what the train graph captured
             with self._train.autocast_context(xs):
@@ -564,6 +573,25 @@ class CompiledModel:
                 grads[n] = None if grad is None else grad.detach().clone()
         return self._merge_stages(grads, canonical_names(self.model))
 
+    def _stage_full(self, grads: bool) -> dict[str, Any]:
+        """The parameters (or gradients) of this rank's pipeline stages, whole: tp shards
+        gathered from the tp group, ZeRO shards from the dp group, never another stage's
+        (every rank of the pp coordinate must call it)."""
+        zero = self._zero_locals(grads)
+        out: dict[str, Any] = {}
+        for name, p in self._trained_params().items():
+            local = zero[name] if name in zero else (p.grad if grads else p)
+            if local is not None and self.sharded is not None and name in self.sharded.specs:
+                local = self.sharded.full(name, local)
+            out[name] = None if local is None else (
+                local.detach().clone().requires_grad_(p.requires_grad and not grads))
+        return out
+
+    def _trained_names(self) -> dict[str, None]:
+        """Every parameter's canonical name, in `named_parameters` order."""
+        return dict.fromkeys(canonical_names(self.model)[n]
+                             for n, _ in self.model.named_parameters())
+
     def _zero_locals(self, grads: bool) -> dict[str, torch.Tensor | None]:
         """This rank's whole (tp-local) parameters or gradients from the ZeRO shards."""
         if self.zero is None:
@@ -616,6 +644,10 @@ def _loss_scaler(autocast: torch.dtype | None,
         raise AutohybridError(f"grad_scaler must be a torch.amp.GradScaler, True, False or "
                               f"None, got {type(grad_scaler).__name__}")
     return LossScaler()
+
+
+def _param_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def _on_meta(model: nn.Module) -> bool:

@@ -169,6 +169,19 @@ def test_train_model_matches_eager(capsys, tmp_path) -> None:
 
 
 @pytest.mark.timeout(180)
+def test_train_check_stage_checks_each_pipeline_stage(capsys) -> None:
+    ref = "gpt-tiny?layers=2&seq=8"
+    code, out, err = _main(capsys, "train", ref, "--cluster", "local:2", "--steps", "1",
+                           "--optimizer", "sgd", "--constrain", "pp=2,dp=1,tp=1",
+                           "--check", "stage")
+    assert code == 0, err
+    assert "equal the reference's (--check stage)" in out
+    with pytest.raises(SystemExit):   # argparse: not one of auto, whole, stage
+        cli.main(["train", ref, "--check", "sometimes"])
+    assert "invalid choice: 'sometimes'" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(180)
 def test_train_script_under_torchrun(capsys, tmp_path) -> None:
     script = tmp_path / "job.py"
     script.write_text(

@@ -374,6 +374,14 @@ def _analysis(gm: fx.GraphModule) -> tuple[list[_Written], set[fx.Node]]:
             excluded.update(g.members)
 
 
+def recomputed(gm: fx.GraphModule) -> tuple[set[fx.Node], list[list[fx.Node]]]:
+    """The nodes each stage computes again for itself (batch-only, see the module
+    docstring), and among them the tensors built in place, as alias groups (each group is
+    computed whole, in graph order, or not at all)."""
+    groups, recompute = _analysis(gm)
+    return recompute, [g.members for g in groups if g.base in recompute]
+
+
 def _random(node: fx.Node) -> bool:
     return any(word in op_name(node) for word in _RANDOM)
 

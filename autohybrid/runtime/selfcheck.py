@@ -1,6 +1,18 @@
-"""The numerics self-check of `ah.compile(..., check=True)`: the first step against eager.
+"""The numerics self-check of `ah.compile(..., check=...)`: the first step against eager.
 
-Owns the eager reference and the comparison; compiled.py calls it. Rank 0 holds an eager
+Owns which check runs (`requested_check`, `check_mode`), the whole-model eager reference
+and the comparison; compiled.py calls it. The per-stage check, for models too big for one
+rank, is runtime/selfcheck_stage.py.
+
+Which check: `check="whole"` is the one below; `check="stage"` checks each pipeline stage
+on its own rank; `check=True` takes "whole" where rank 0's predicted share of the plan
+plus what the whole check adds (an eager copy of the model and its gradients, the
+gathered gradients, eager's activations of the global batch: `whole_check_bytes`) fits
+its device memory (less `cost.memory.MEMORY_HEADROOM`), "stage" otherwise. A plan
+without pipeline stages that does not fit is refused at compile time with the figures;
+nothing is skipped silently.
+
+check="whole": rank 0 holds an eager
 copy of the model, taken before anything is sharded (a model on the meta device is
 materialized with `ah.init`'s values, as its shards are). After the compiled model's
 first forward and backward — before clipping and before the optimizer steps — every rank
@@ -34,10 +46,97 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
+from ..cost.memory import usable_bytes
 from ..errors import AutohybridError, NumericsError
+from ..plan import Plan
+
+#: the values of ah.compile(check=...) besides True / False
+CHECK_MODES = ("whole", "stage")
 
 _RTOL = {torch.float16: 5e-2, torch.bfloat16: 5e-2}
 _DEFAULT_RTOL = 1e-3
+
+
+def requested_check(check: Any) -> str | None:
+    """The check `ah.compile(check=...)` asks for: None (off), "auto" (True: the whole
+    model where it fits on one rank, stage by stage otherwise), "whole" or "stage"."""
+    if check is None or check is False:
+        return None
+    if check is True:
+        return "auto"
+    if isinstance(check, str) and check in CHECK_MODES:
+        return check
+    raise AutohybridError(
+        f"check={check!r}: give check=True (the whole model where it fits on one rank, "
+        "each pipeline stage on its own otherwise), check='whole' (rank 0 runs the whole "
+        "eager model), check='stage' (one rank per pipeline stage runs that stage) or "
+        "check=False")
+
+
+def check_mode(request: str | None, plan: Plan, param_bytes: int,
+               device_bytes: int) -> str | None:
+    """"whole" or "stage" for `request` under `plan` (see `requested_check`); refuses,
+    naming the memory figures, a check that cannot run: the whole model does not fit on
+    rank 0 beside its compiled share and the plan has no pipeline stages to check one at
+    a time, or "stage" under a plan without pipeline stages."""
+    if request is None or request == "whole":
+        return request
+    if request == "stage":
+        if plan.mesh.pp == 1:
+            raise AutohybridError(
+                f"check='stage' checks each pipeline stage on its own, and this plan "
+                f"({plan.mesh.describe()}) has a single stage: pin pipeline stages "
+                "(constraints=ah.Constraints(pp=2)) or use check='whole'")
+        return "stage"
+    need, figures = whole_check_bytes(plan, param_bytes)
+    usable = usable_bytes(device_bytes)
+    if need <= usable:
+        return "whole"
+    if plan.mesh.pp > 1:
+        return "stage"
+    raise AutohybridError(
+        f"check=True cannot compare this plan ({plan.mesh.describe()}) with eager: the "
+        f"whole-model check needs about {_gib(need)} on rank 0 ({figures}) of its "
+        f"{_gib(usable)} usable, and the plan has no pipeline stages to check one at a "
+        "time. Compile the checked run with pipeline stages "
+        "(constraints=ah.Constraints(pp=2) or more; check then runs stage by stage), or "
+        "check a smaller model of the same architecture, or pass check='whole' to try "
+        "anyway")
+
+
+def whole_check_bytes(plan: Plan, param_bytes: int) -> tuple[int, str]:
+    """Rank 0's bytes under check='whole' (its predicted compiled share, an eager copy of
+    the model and its gradients, the gathered gradients, eager's activations of the
+    global batch: the plan's per-microbatch activations of every stage, unsharded), and
+    the figures as words."""
+    from ..search.pricing import in_flight   # the plan has the fields a Layout prices
+
+    predicted = plan.predicted
+    per_pp = predicted.memory_per_pp_rank or (predicted.memory,) * plan.mesh.pp
+    per_microbatch = sum(m.activations / in_flight(plan, c) for c, m in enumerate(per_pp))
+    activations = int(per_microbatch * plan.mesh.tp * plan.global_batch
+                      / plan.microbatch_size)
+    share = predicted.memory_of_rank(plan, 0).total
+    need = share + 3 * param_bytes + activations
+    return need, (f"its compiled share {_gib(share)}, an eager copy of the model and its "
+                  f"gradients 2 × {_gib(param_bytes)}, the gathered gradients "
+                  f"{_gib(param_bytes)}, eager activations of the global batch "
+                  f"≈ {_gib(activations)}")
+
+
+def make_check(mode: str | None, model: nn.Module, plan: Plan, rank: int,
+               init_seed: int | None, autocast: torch.dtype | None) -> Any:
+    """The check object for `mode` (None: no check)."""
+    if mode == "whole":
+        return FirstStepCheck(model, rank, init_seed, autocast)
+    if mode == "stage":
+        from .selfcheck_stage import StageCheck
+        return StageCheck(plan, rank, autocast)
+    return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3g} GiB"
 
 
 def has_random_ops(gm: fx.GraphModule) -> bool:
@@ -59,8 +158,22 @@ def _draws(node: fx.Node) -> bool:
     return True
 
 
+def refuse_random(gm: fx.GraphModule, dp: int, num_microbatches: int) -> None:
+    """AutohybridError when the train graph draws random numbers and the plan splits the
+    batch: such a step draws other masks than eager's by design."""
+    if has_random_ops(gm) and (dp > 1 or num_microbatches > 1):
+        raise AutohybridError(
+            "check=True cannot compare this plan with eager: the model draws random "
+            f"numbers (dropout) and the plan splits the batch (dp={dp}, "
+            f"{num_microbatches} microbatches per rank), so each shard draws its own "
+            "masks. Check with dropout at 0, or pin dp=1 and num_microbatches=1 for "
+            "the checked run")
+
+
 class FirstStepCheck:
     """Rank 0's eager copy of the model and the comparison of the first step."""
+
+    per_stage = False
 
     def __init__(self, model: nn.Module, rank: int, init_seed: int | None,
                  autocast: torch.dtype | None):
@@ -74,15 +187,7 @@ class FirstStepCheck:
 
     def refuse_unless_comparable(self, gm: fx.GraphModule, dp: int,
                                  num_microbatches: int) -> None:
-        """AutohybridError when the train graph draws random numbers and the plan splits
-        the batch: such a step draws other masks than eager's by design."""
-        if has_random_ops(gm) and (dp > 1 or num_microbatches > 1):
-            raise AutohybridError(
-                "check=True cannot compare this plan with eager: the model draws random "
-                f"numbers (dropout) and the plan splits the batch (dp={dp}, "
-                f"{num_microbatches} microbatches per rank), so each shard draws its own "
-                "masks. Check with dropout at 0, or pin dp=1 and num_microbatches=1 for "
-                "the checked run")
+        refuse_random(gm, dp, num_microbatches)
 
     def rng_state(self) -> torch.Tensor:
         return torch.random.get_rng_state()
