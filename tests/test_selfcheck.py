@@ -209,7 +209,7 @@ def _stage_rank(rank: int) -> list[str]:
 
 @pytest.mark.timeout(400)
 def test_stage_check_passes_right_pp_plans_and_names_the_parameter_of_a_wrong_one():
-    results = ah.launch(_stage_rank, ah.Cluster.local(4), timeout_s=360)
+    results = pool_launch(_stage_rank, 4, timeout_s=guard(120))
     assert not any(results), report(results)
 
 
