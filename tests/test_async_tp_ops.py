@@ -74,6 +74,7 @@ def _rank(rank: int) -> int:
         groups.clear()
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_issue_wait_pairs_equal_the_sync_ops_on_two_gloo_ranks():
     results = pool_launch(_rank, 2, timeout_s=guard(90))

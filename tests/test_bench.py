@@ -90,6 +90,7 @@ def _check_data(data: dict, table: str, baseline: str, world: int = 2,
     assert ah.Plan.from_dict(data["full_plan"]).hash() == data["plan"]["hash"]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_bench_dp_against_ddp_from_the_cli(tmp_path, capsys):
     """`autohybrid bench` (the CLI, in this process) at dp=2, ZeRO 0 → DDP: the JSON, the
@@ -133,6 +134,7 @@ def tiny_gpt():
                                                                       t.flatten())
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_bench_tp_against_dtensor():
     """tp=2 (no sp) → DTensor parallelize_module, AdamW, the model from a factory: the
@@ -147,6 +149,7 @@ def test_bench_tp_against_dtensor():
     assert max(result.run("DTensor").peak_memory_bytes) < eager
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_bench_pp_against_pipelining():
     """pp=2, 1F1B, 2 microbatches (untied head) → pipeline() split at the plan's

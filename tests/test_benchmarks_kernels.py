@@ -25,6 +25,7 @@ import kernels as kb  # noqa: E402  (benchmarks/kernels.py)
 aten = torch.ops.aten
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_smoke_run_prints_every_pattern_equal_to_eager():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_pipeline_balance_quick():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -34,6 +35,7 @@ def test_pipeline_balance_quick():
     assert row and all(float(x) > 0 for x in row.groups()), out
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_runtime_overhead_pp_rows():
     import runtime_overhead as ro

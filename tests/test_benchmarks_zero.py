@@ -23,6 +23,7 @@ TINY = dict(layers=2, hidden=32, heads=2, vocab=128, seq=16)
 PLAN_ROWS = ("dp2 zero3", "pp2 dp2 1f1b")
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_runtime_overhead_dp_rows():
     import runtime_overhead as ro
@@ -41,6 +42,7 @@ def test_runtime_overhead_dp_rows():
         assert row["ah_ms"] > 0 and row["dt_ms"] > 0 and row["diff"] < 1e-5
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_cost_model_accuracy_plan_rows(capsys):
     import cost_model_accuracy as cma

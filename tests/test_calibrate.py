@@ -83,6 +83,7 @@ def test_a_calibrated_launch_overhead_prices_every_op_and_optimizer_tensor():
     assert steps[2e-5] - steps[1e-6] == pytest.approx(expected, rel=1e-9)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_calibrate_measures_two_local_ranks_and_plans_use_it():
     profile = calibrate(ah.Cluster.local(2), matmul_sizes=(128, 256), repeats=3)

@@ -28,6 +28,7 @@ def _cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_help_documents_the_commands() -> None:
     top = _cli("--help")
@@ -54,6 +55,7 @@ def test_list_models(capsys) -> None:
     assert code == 0 and set(out.split()) == set(ah.models.PRESETS)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(90)
 def test_plan_json_and_out(tmp_path) -> None:
     out = tmp_path / "plan.json"
@@ -92,6 +94,7 @@ def test_plan_constrain_is_applied_and_text_report(capsys) -> None:
     assert "pp1×dp2×tp1" in out and "alternatives" in out and "planned in" in out
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(200)
 def test_plan_gpt3_175b_answers() -> None:
     """GPT-3 175B on 1024 A100s from the command line, on the meta device. How long it
@@ -126,6 +129,7 @@ def test_bad_input_exits_2_with_a_message(capsys) -> None:
     assert code == 2 and "multiple of 2" in err
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_calibrate_then_plan_with_the_profile(tmp_path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}

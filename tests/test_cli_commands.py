@@ -141,6 +141,7 @@ def test_inspect_refuses_bad_input(pp_tp_plan, capsys, tmp_path) -> None:
     assert code == 2 and "cannot read plan file" in err
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_train_model_matches_eager(capsys, tmp_path) -> None:
     ref, steps, lr = "gpt-tiny?layers=1&seq=8", 3, 1e-2
@@ -168,6 +169,7 @@ def test_train_model_matches_eager(capsys, tmp_path) -> None:
         torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_train_check_stage_checks_each_pipeline_stage(capsys) -> None:
     ref = "gpt-tiny?layers=2&seq=8"
@@ -181,6 +183,7 @@ def test_train_check_stage_checks_each_pipeline_stage(capsys) -> None:
     assert "invalid choice: 'sometimes'" in capsys.readouterr().err
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_train_script_under_torchrun(capsys, tmp_path) -> None:
     script = tmp_path / "job.py"

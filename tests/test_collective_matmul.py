@@ -113,6 +113,7 @@ def _cases(rank: int, world: int) -> str:
     return f"ok:{rank}"
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world", [2, 4])
 def test_chunked_ops_equal_the_unchunked_collective_and_linear(world):
@@ -187,6 +188,7 @@ def _trace_case(rank: int, world: int) -> str:
     return f"ok:{rank}"
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_profiler_trace_interleaves_chunk_transfers_with_their_matmuls():
     results = pool_launch(_trace_case, 2, args=(2,),
@@ -230,6 +232,7 @@ def _train_rank(rank: int, world: int) -> list[str]:
     return fails
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_training_with_collective_matmul_matches_eager():
     from _equiv import report

@@ -89,6 +89,7 @@ def _zoo_rank(rank: int, world: int) -> list[str]:
     return fails
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_zoo_sgd_and_adamw_match_eager(world):
@@ -97,6 +98,7 @@ def test_zoo_sgd_and_adamw_match_eager(world):
 
 
 # ============================================================================ torchrun
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_torchrun_gpt_tiny_matches_eager():
     """The same script runs unchanged under torchrun (launch detects it)."""
@@ -213,6 +215,7 @@ def _options_rank(rank: int, world: int) -> list[str]:
     return fails
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_accumulation_clipping_param_groups_scheduler_match_eager():
     _assert_no_failures(_launch(_options_rank, 2))
@@ -357,6 +360,7 @@ def _losses_rank(rank: int, world: int) -> list[str]:
     return fails
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_losses_uneven_batch_forward_and_local_slices_match_eager():
     """Every loss reduction autohybrid splits, on 10 samples over 4 ranks (3, 3, 2, 2)."""
@@ -406,6 +410,7 @@ def _model_loss_rank(rank: int, world: int) -> list[str]:
     return fails
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_models_that_return_their_loss_match_eager():
     """loss_fn=None: nanoGPT-style (logits, loss), and Hugging Face GPT-2 with labels=."""
@@ -439,6 +444,7 @@ def _mistral_rank(rank: int, world: int) -> list[str]:
     return fails
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_mistral_causal_mask_trains_like_eager_under_dp():
     pytest.importorskip("transformers")
@@ -459,6 +465,7 @@ def _bucket_rank(rank: int, world: int) -> dict:
             "params": sum(1 for p in compiled.model.parameters() if p.requires_grad)}
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_gradient_buckets_launch_during_backward():
     results = _launch(_bucket_rank, 2)
@@ -494,6 +501,7 @@ def _raise_on_rank1(rank: int, world: int, tmp: str) -> None:
     time.sleep(60)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_rank_raising_in_train_step_is_reported_and_cleaned_up(tmp_path):
     t0 = time.monotonic()

@@ -109,6 +109,7 @@ def _ops(gm) -> list[str]:
     return [op_name(n) for n in gm.graph.nodes if n.op == "call_function"]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_gpt_tiny_dry_run_builds_the_runtime_s_program():
     world = 2

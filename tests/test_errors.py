@@ -81,6 +81,7 @@ def _compile_for_four_ranks(rank: int) -> None:
     ah.compile(model, ah.Cluster.local(4), inputs, loss_fn=_loss, example_targets=targets)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_cluster_world_size_must_match_the_processes_launched() -> None:
     with pytest.raises(ah.RankFailure) as err:
@@ -136,6 +137,7 @@ def _compile_with_own_plan(rank: int, plans: list) -> str | None:
     return None
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_ranks_holding_different_plans_all_raise_naming_the_ranks() -> None:
     model = models.preset("gpt-tiny")

@@ -13,6 +13,7 @@ from _limits import guard
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_demo_trains_and_matches_eager():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

@@ -347,6 +347,7 @@ def _interpreted_rank(rank: int, world: int, constraints: ah.Constraints | None)
     return fails
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world,constraints", [(1, None), (2, TP2)], ids=["1rank", "tp2"])
 def test_gpt_trains_like_eager_through_interpreted_fused_kernels(monkeypatch, world,

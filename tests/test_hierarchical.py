@@ -211,6 +211,7 @@ def _lines(log: str) -> dict[int, list[str]]:
     return out
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(200)
 def test_two_nodes_sum_bit_for_bit_and_train_like_eager(tmp_path):
     logs = _run_two_nodes(tmp_path)

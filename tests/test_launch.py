@@ -101,6 +101,7 @@ def _unpicklable(rank: int):
 
 # ---- tests ----
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_results_in_rank_order_and_child_setup():
     out = launch(_info, _cluster(4), args=("x",))
@@ -120,12 +121,14 @@ def test_results_in_rank_order_and_child_setup():
     assert _live_children(os.getpid()) == []
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("ws", [2, 4])
 def test_all_reduce(ws):
     assert launch(_all_reduce, _cluster(ws)) == [ws * (ws + 1) / 2] * ws
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_int_world_size_one_still_uses_a_child():
     (out,) = launch(_info, 1)
@@ -142,11 +145,13 @@ def test_inprocess_world_of_one(monkeypatch):
     assert not dist.is_initialized() and "AUTOHYBRID_LAUNCHED" not in os.environ
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_spawn_start_method():
     assert launch(_all_reduce, _cluster(2), start_method="spawn") == [3.0, 3.0]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_rank_exception_is_reported_fast_and_everything_is_killed(tmp_path):
     t0 = time.monotonic()
@@ -162,6 +167,7 @@ def test_rank_exception_is_reported_fast_and_everything_is_killed(tmp_path):
     _assert_all_dead(pids)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("how,code", [("exit3", 3), ("sigkill", -signal.SIGKILL)])
 def test_rank_death_reports_exit_code(tmp_path, how, code):
@@ -174,6 +180,7 @@ def test_rank_death_reports_exit_code(tmp_path, how, code):
     _assert_all_dead(_recorded_pids(tmp_path))
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("via_env", [False, True])
 def test_timeout_kills_hanging_rank(tmp_path, monkeypatch, via_env):
@@ -195,6 +202,7 @@ def _tensor_result(rank: int):
     return {"rank": rank, "grads": torch.full((3,), float(rank), requires_grad=True) * 2}
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_tensors_come_back_after_the_rank_exits():
     """A rank's tensors travel as bytes, not as handles to its shared memory (which went
@@ -205,6 +213,7 @@ def test_tensors_come_back_after_the_rank_exits():
         torch.testing.assert_close(out["grads"].detach(), torch.full((3,), 2.0 * rank))
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_unpicklable_result_is_a_rank_failure():
     with pytest.raises(RankFailure) as info:
@@ -260,6 +269,7 @@ TORCHRUN_SCRIPT = """
 """
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(60)
 def test_same_script_under_torchrun(tmp_path):
     script = tmp_path / "script.py"

@@ -54,6 +54,7 @@ def _materialize_rank(rank: int, world: int, cases) -> list[str]:
     return fails
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
 def test_meta_models_materialize_their_shards_and_train_like_eager():
     cases = [("gpt-tiny", C(dp=2, tp=2, pp=1, zero=3)),
@@ -86,6 +87,7 @@ def _budget_rank(rank: int, world: int, budget: int) -> dict:
     return {"peak": counter.peak, "losses": losses, "plan": compiled.plan.mesh.describe()}
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
 def test_a_model_larger_than_the_budget_trains_with_tp_pp_zero3_under_it():
     """Budget: the bytes of the model's fp32 parameters alone. Training state (parameters,

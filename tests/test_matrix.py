@@ -79,6 +79,7 @@ def test_ci_sample_covers_every_valid_pair_and_is_deterministic():
     assert len(sample) <= 60, len(sample)
 
 
+@pytest.mark.procs
 def test_samples_do_not_depend_on_string_hashing():
     """The same cases in a process with another PYTHONHASHSEED (no set order leaks in)."""
     code = ("import hashlib, _matrix as m; print(hashlib.sha1(repr((m.ci_sample(), "
@@ -241,6 +242,7 @@ def _by_world(cases, world: int) -> tuple[Case, ...]:
     return tuple(c for c in cases if c.world == world)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(CI_LAUNCH_TIMEOUT_S + 60)
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_ci_sample_matches_eager(world):

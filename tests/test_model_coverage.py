@@ -25,6 +25,7 @@ CELLS = [
 ]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("name,plan", CELLS, ids=[f"{n}-{p}" for n, p in CELLS])
 def test_model_trains_like_eager(name: str, plan: str) -> None:

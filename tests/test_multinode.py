@@ -239,6 +239,7 @@ def _group(line: str, axis: str) -> list[int]:
     return [int(r) for r in re.search(rf"\b{axis}\[([\d, ]+)\]", line).group(1).split(",")]
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(150)
 def test_same_script_on_two_nodes_matches_eager_and_places_tp_in_a_node(tmp_path):
     """Ground truth independent of the script: which torchrun printed a rank's line."""

@@ -112,6 +112,7 @@ def _overlap_rank(rank: int, world: int) -> tuple[list[str], dict]:
     return list(fails), info
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_pipeline_dp_buckets_launch_during_the_schedule_and_match_eager():
     results = pool_launch(_overlap_rank, 4, args=(4,),

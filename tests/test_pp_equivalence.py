@@ -93,6 +93,7 @@ def _schedules_rank(rank: int, world: int) -> list[str]:
     return fails
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4], ids=["pp2", "pp4"])
 def test_every_schedule_matches_eager(world):
@@ -132,6 +133,7 @@ def _composed_rank(rank: int, world: int) -> list[str]:
     return fails
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_pp_x_dp_and_pp_x_tp_match_eager_on_four_ranks():
     _assert_no_failures(_launch(_composed_rank, 4))
@@ -162,6 +164,7 @@ def _hf_rank(rank: int, world: int) -> list[str]:
     return fails
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_hugging_face_gpt2_at_pp2_matches_eager():
     _assert_no_failures(_launch(_hf_rank, 2))
@@ -186,6 +189,7 @@ def _choose_rank(rank: int, world: int) -> dict:
             "alternatives": [(a.summary, a.executable) for a in compiled.plan.alternatives]}
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_compile_chooses_among_dp_tp_and_pp_plans_on_four_local_ranks():
     """The search ranks executable plans of every shape, pp ones included; the chosen one
@@ -387,6 +391,7 @@ def _in_place_rank(rank: int, world: int) -> list[str]:
     return fails
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_in_place_writes_parameter_only_outputs_and_nn_transformer_at_pp2_match_eager():
     _assert_no_failures(_launch(_in_place_rank, 2))

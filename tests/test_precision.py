@@ -111,6 +111,7 @@ def _precision_rank(rank: int, world: int, cases) -> list[str]:
     return fails
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
 def test_mixed_precision_matches_eager_autocast():
     cases = [

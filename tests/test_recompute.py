@@ -111,6 +111,7 @@ def _equivalence_rank(rank: int, world: int) -> list[str]:
     return fails
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_full_and_selective_recompute_match_eager_at_dp2_tp2_pp2():
     results = pool_launch(_equivalence_rank, 2, args=(2,), timeout_s=guard(240))

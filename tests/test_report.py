@@ -218,6 +218,7 @@ def _colored(rgb: np.ndarray, hex_color: str) -> np.ndarray:
     return np.all(rgb == want, axis=-1)
 
 
+@pytest.mark.procs
 def test_report_in_chromium(built, tmp_path):
     plan, program = built
     bench = {"model": MODEL, "predicted": {"step_time_s": plan.predicted.step_time_s},

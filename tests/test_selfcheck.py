@@ -91,6 +91,7 @@ def _rank(rank: int) -> list[str]:
     return fails
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(200)
 def test_check_passes_a_right_plan_and_names_the_parameter_of_a_wrong_one():
     results = pool_launch(_rank, 2, timeout_s=guard(180))
@@ -207,6 +208,7 @@ def _stage_rank(rank: int) -> list[str]:
     return fails
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(400)
 def test_stage_check_passes_right_pp_plans_and_names_the_parameter_of_a_wrong_one():
     results = pool_launch(_stage_rank, 4, timeout_s=guard(120))

@@ -165,6 +165,7 @@ def _two_ranks(rank: int, with_t5: bool) -> tuple[list[str], dict[str, str]]:
     return list(fails), outcome
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(480)
 def test_t5_and_llama_without_example_targets_train_like_eager() -> None:
     with_t5 = coverage.have_transformers()
@@ -186,6 +187,7 @@ def _zero_ranks(rank: int) -> list[str]:
     return list(fails)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_llama_tp_and_zero_without_example_targets_train_like_eager() -> None:
     results = pool_launch(_zero_ranks, 4, timeout_s=guard(240))

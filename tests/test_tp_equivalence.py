@@ -61,6 +61,7 @@ def _zoo_rank(rank: int, world: int, tp: int, sp: bool) -> list[str]:
     return fails
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world,tp,sp", [(2, 2, False), (2, 2, True), (4, 4, True),
                                          (4, 2, False), (4, 2, True)],
@@ -94,6 +95,7 @@ def _vocab_rank(rank: int, world: int) -> list[str]:
     return fails
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world", [2, 4])
 def test_vocabulary_not_divisible_by_tp_is_padded_and_exact(world):
@@ -141,6 +143,7 @@ def _hf_rank(rank: int, world: int, sp: bool) -> list[str]:
     return fails
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("sp", [False, True], ids=["tp2", "tp2+sp"])
 def test_hugging_face_gpt2_and_llama_at_tp2_match_eager(sp):
@@ -168,6 +171,7 @@ def _graph_rank(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_gpt_collectives_are_megatrons_and_logits_are_never_gathered():
     """Per block: one f (tp_copy) and one g (tp_reduce) for attention and for the MLP;
@@ -252,6 +256,7 @@ def _dropout_rank(rank: int, world: int, sp: bool) -> list[str]:
     return fails
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world,sp", [(2, False), (4, True)], ids=["tp2", "tp4+sp"])
 def test_dropout_under_tp_draws_eagers_masks(world, sp):

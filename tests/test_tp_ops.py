@@ -112,6 +112,7 @@ def _megatron_rank(rank: int, world: int) -> None:
     _close("column linear + gather d(w shard)", w1s2.grad, w1f2.grad.chunk(world, 0)[rank])
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 4])
 def test_copy_reduce_gather_match_full_mlp(world):
@@ -153,6 +154,7 @@ def _split_gather_rank(rank: int, world: int) -> None:
             op(mode.from_tensor(bad), 1, "tp")
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 4])
 def test_split_gather_round_trips(world):
@@ -203,6 +205,7 @@ def _sequence_parallel_rank(rank: int, world: int) -> None:
     _close("sp mlp d(w2 shard)", w2s.grad, w2f.grad.chunk(world, 1)[rank])
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world", [2, 4])
 def test_sequence_parallel_pairs(world):
@@ -273,6 +276,7 @@ def _vocab_rank(rank: int, world: int, padded: int) -> None:
     assert (grad[VOCAB:] == 0).all() and ws.grad.abs().sum() > 0
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("world,padded", [(4, 16), (2, 14)])
 def test_vocab_parallel_matches_full(world, padded):
@@ -351,6 +355,7 @@ def test_ops_trace_with_axis_bound_to_no_group():
         groups.clear()
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_ops_trace_with_a_two_rank_group():
     """Inside a 2-rank launch, fake impls use the size of the bound group."""

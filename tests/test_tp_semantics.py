@@ -327,6 +327,7 @@ def _rank(rank: int) -> list[str]:
     return fails
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(420)
 def test_fused_projections_rnns_and_replicated_regions_train_like_eager_at_tp2():
     results = pool_launch(_rank, 2, timeout_s=guard(400))

@@ -155,6 +155,7 @@ def _model_rank(rank: int, world: int) -> list[str]:
     return fails
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_padding_idx_models_under_tp2_match_eager():
     """A small LM with nn.Embedding(padding_idx=0) (SGD and AdamW), the same tied with

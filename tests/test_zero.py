@@ -89,6 +89,7 @@ def _bytes_rank(rank: int, world: int) -> dict:
     return _measure_bytes(world)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("world", [2, 4])
 def test_state_bytes_fall_as_the_memory_model_predicts(world):
@@ -131,6 +132,7 @@ def _zero_rank(rank: int, world: int, cases) -> list[str]:
     return fails
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
 def test_zero_1_2_3_match_eager_at_dp2():
     cases = [("gpt-tiny", optimizer, C(dp=2, tp=1, pp=1, zero=zero, num_microbatches=2))
@@ -139,6 +141,7 @@ def test_zero_1_2_3_match_eager_at_dp2():
     assert not any(results), report(results)
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
 def test_zero_composes_with_tp_sp_pp_and_recompute():
     cases = [
@@ -319,6 +322,7 @@ def _two_models_rank(rank: int, world: int) -> list[str]:
     return fails
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
 def test_two_compiled_models_in_one_process_keep_their_own_groups():
     results = _launch(_two_models_rank, 2)
