@@ -86,7 +86,7 @@ def capture_key(model: nn.Module, inputs: Sequence[torch.Tensor],
                walk.callable(loss_fn, _CODE_DEPTH) if with_loss else None)
         hash(key)
     except (Uncacheable, TypeError, ValueError, RecursionError) as exc:
-        _log.debug("capture not memoized: %s", exc)
+        _log.info("capture not memoized: %s", exc)
         return None
     return key, walk.refs
 
