@@ -53,7 +53,9 @@ def _record_step(rank: int, plan_name: str) -> dict | None:
                           example_targets=targets0, optimizer=sgd,
                           constraints=PLANS[plan_name])
     ref_opt = sgd(list(ref.parameters()))
-    out = {"plan": compiled.plan.mesh.describe()}
+    plan = compiled.plan
+    out = {"plan": f"{plan.mesh.describe()} {plan.schedule}, {plan.num_microbatches} "
+                   "microbatch(es)"}
     for step, (inputs, targets) in enumerate(case.batches[:STEP + 1]):
         if step == STEP:
             out["p_compiled"] = {k: v.clone() for k, v in compiled.full_state_dict().items()}
@@ -92,18 +94,25 @@ def eager_grad(params: dict, masks: list | None = None) -> tuple[dict, list]:
     return {n: p.grad for n, p in case.model.named_parameters()}, seen
 
 
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in units of the float32 spacing at b, elementwise."""
+    spacing = torch.nextafter(b.abs(), torch.tensor(float("inf"))) - b.abs()
+    return (a - b).abs() / spacing
+
+
 def _max_diff(a: dict, b: dict) -> tuple[float, str]:
     return max((float((a[k] - b[k]).abs().max()), k) for k in b)
 
 
 def analyse(run: dict) -> bool:
     p_c, p_e, g_c, g_e = run["p_compiled"], run["p_eager"], run["g_compiled"], run["g_eager"]
-    eps = torch.finfo(torch.float32).eps
-    ulps = max(float((p_c[k] - p_e[k]).abs().max() / (eps * p_e[k].abs().max()))
-               for k in p_e if p_e[k].is_floating_point() and p_e[k].abs().max() > 0)
+    ulps, key = max((float(_ulps(p_c[k], p_e[k]).max()), k) for k in p_e
+                    if p_e[k].is_floating_point())
+    at = int(_ulps(p_c[key], p_e[key]).argmax())
     print(f"plan {run['plan']}; parameters at step {STEP}: compiled vs eager differ by "
-          f"{_max_diff(p_c, p_e)[0]:.3g} at most ({ulps:.1f} float32 eps of the tensor's "
-          "largest element)")
+          f"{_max_diff(p_c, p_e)[0]:.3g} at most; in float32 ulps at most {ulps:.3g}, "
+          f"{key}[flat {at}] = {float(p_e[key].flatten()[at]):.6g} (eager) vs "
+          f"{float(p_c[key].flatten()[at]):.6g} (compiled)")
     print(f"gradient, compiled vs eager (as the sweep compares): {_max_diff(g_c, g_e)[0]:.3g} "
           f"in {_max_diff(g_c, g_e)[1]}")
     ge_at_pc, pre_c = eager_grad(p_c)
