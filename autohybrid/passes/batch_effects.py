@@ -20,7 +20,9 @@ only its own samples:
 `split_batch_effect` finds the first of these that depends on the batch and says what it
 does and how to fix it; global_loss refuses such a plan when it splits the batch, so the
 planner (runtime/dry_run.PassTrial) goes on to a plan that keeps the batch whole.
-Writes of batch-independent values (`weight.clamp_` under `no_grad`) are accepted.
+Writes of batch-independent values (a counter's `add_(1)`) are accepted here; a
+`no_grad` region that writes in place is refused by batch_flow whatever it writes (this
+module only names the module and the fix when what it writes depends on the batch).
 It only reads the graph and the flows; it never changes either.
 
 Example::
@@ -128,13 +130,17 @@ def _running_statistics(node: fx.Node, flows: BatchFlow) -> Effect | None:
     return None
 
 
+def _region(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.HigherOrderOperator) and \
+        node.target.name() in _REGIONS
+
+
 def _writes(gm: fx.GraphModule, flows: BatchFlow) -> Iterator[tuple[fx.Node, fx.Node, object]]:
     """(op, the graph input it writes, the flow written) for every in-place write into a
     graph input, those inside `no_grad` / autocast regions included."""
-    yield from flows.mutations
+    yield from ((op, w, new) for op, w, new in flows.mutations if not _region(op))
     for node in gm.graph.nodes:
-        if not isinstance(node.target, torch._ops.HigherOrderOperator) or \
-                node.target.name() not in _REGIONS:
+        if not _region(node):
             continue
         index = next((i for i, a in enumerate(node.args)
                       if isinstance(a, fx.Node) and a.op == "get_attr"), None)
