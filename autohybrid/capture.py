@@ -30,7 +30,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from . import capture_cache
 from .errors import CaptureError
-from .graph import AH_PARAM, AH_ROLE, VAL, graph_hash, verify
+from .graph import AH_BUFFER, AH_PARAM, AH_ROLE, VAL, graph_hash, verify
 
 _WRAPPER_PREFIX = "model."
 _TARGET_KWARGS = ("labels", "targets", "target", "y")
@@ -357,6 +357,7 @@ def _from_exported(ep: ExportedProgram, model: nn.Module, method: str, num_input
         elif spec.kind == InputKind.BUFFER:
             buffers.append(strip(spec.target))
             node.meta[AH_ROLE] = "buffer"
+            node.meta[AH_BUFFER] = buffers[-1]
         elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
             constants[spec.target] = ep.constants[spec.target]
             node.meta[AH_ROLE] = "constant"

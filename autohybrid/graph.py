@@ -22,6 +22,7 @@ STACK_TRACE = "stack_trace"      # user source lines that produced the node
 AH_PASS = "ah_pass"              # name of the autohybrid pass that created the node
 AH_ROLE = "ah_role"              # on placeholders: "param" | "buffer" | "constant" | "input" | "target"
 AH_PARAM = "ah_param"            # on param placeholders: canonical name (tied parameters share it)
+AH_BUFFER = "ah_buffer"          # on buffer placeholders: the buffer's name in the model
 
 #: Ops that only re-describe memory (no FLOPs, no new storage in the common case).
 VIEW_OPS = frozenset({

@@ -177,20 +177,39 @@ class _Wrapped(nn.Module):
         return self.head(self.model.embed_tokens(tokens))
 
 
-@pytest.mark.parametrize("flag,value,says", [
-    ("scale_grad_by_freq", True, "scale_grad_by_freq=True"), ("sparse", True, "sparse=True"),
-    ("max_norm", 1.0, "max_norm")])
-def test_embedding_flags_tp_cannot_compute_are_refused_naming_the_module(flag, value, says):
+def test_sparse_embedding_tp_cannot_compute_is_refused_naming_the_module():
     """With padding_idx accepted, what the vocabulary-parallel embedding still does not
-    compute (frequency-scaled or sparse gradients, max_norm's in-place renormalization of
-    the looked-up rows) is refused before anything runs, naming the module (not the
-    F.embedding call), the mesh axis and a fix."""
+    compute (sparse gradients) is refused before anything runs, naming the module (not
+    the F.embedding call), the mesh axis and a fix."""
     from autohybrid.runtime.dry_run import dry_run
 
     ids = torch.randint(0, 97, (4, 8))
     with pytest.raises(ah.PlanError) as info:
-        dry_run(_Wrapped(padding_idx=0, **{flag: value}), ah.Cluster.local(2), (ids,),
+        dry_run(_Wrapped(padding_idx=0, sparse=True), ah.Cluster.local(2), (ids,),
                 lm_loss, ids, constraints=ah.Constraints(tp=2, pp=1, sp=False))
     message = str(info.value)
-    assert "'model.embed_tokens'" in message and f"has {says}," in message, message
+    assert "'model.embed_tokens'" in message and "has sparse=True," in message, message
     assert "mesh axis 'tp'" in message and "pin tp=1" in message, message
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("flag,value", [("scale_grad_by_freq", True), ("max_norm", 1.0)])
+def test_embedding_that_needs_its_whole_table_stays_replicated_under_tp(flag, value, tied):
+    """Frequency-scaled gradients and max_norm's in-place renormalization read the whole
+    table (search/sharding.whole_table_embeddings): under tp = 2 the embedding, and a
+    head tied to it, stay replicated and run as eager on every tp rank (once refused;
+    tests/test_batch_effects.py trains such models against eager)."""
+    from autohybrid.runtime.dry_run import dry_run
+
+    model = _Wrapped(padding_idx=0, **{flag: value})
+    if tied:
+        model.head.weight = model.model.embed_tokens.weight
+    ids = torch.randint(0, 97, (4, 8))
+    report = dry_run(model, ah.Cluster.local(2), (ids,), lm_loss, ids,
+                     constraints=ah.Constraints(tp=2, pp=1, sp=False))
+    names = {op_name(n) for n in report.gm.graph.nodes if n.op == "call_function"}
+    assert "aten.embedding.default" in names, names
+    assert "autohybrid.vocab_parallel_embedding.default" not in names, names
+    table = next(n for n in report.gm.graph.nodes if op_name(n) == "aten.embedding.default")
+    assert tuple(table.args[0].meta["val"].shape) == (97, 32)  # the whole table
+    assert not report.shape_mismatches

@@ -17,7 +17,9 @@ be per-sample. When the batch is split (dp > 1 or microbatches) that is proven o
 whole graph's dataflow (passes/batch_flow.py: per-token MoE dispatch, masks built from
 the batch's shape and the like are proven; batch statistics, sorts or scans across the
 batch, capacity-limited routing and whatever is not understood are refused, naming the
-node), and buffers updated in place must not depend on the batch.
+node), and buffers updated in place must not depend on the batch; nor may what the graph
+does besides its values (passes/batch_effects.py: gradients scaled by batch counts,
+running statistics, writes into parameters and buffers), refused naming the module.
 
 Example::
 
@@ -33,6 +35,7 @@ import torch.fx as fx
 from ..errors import PlanError
 from ..graph import (AH_PASS, AH_ROLE, VAL, op_name, output_node, placeholders, schema_args,
                      propagate_fake, source_line)
+from .batch_effects import describe, split_batch_effect
 from .batch_flow import REP, UNKNOWN, BatchFlow, Flow
 from .manager import PassContext
 
@@ -111,7 +114,11 @@ def _refuse_sample_mixing(gm: fx.GraphModule, loss: fx.Node, reduction: fx.Node,
     refused); buffers updated in place must not depend on the batch either (training
     BatchNorm gets global statistics from sync_batch_norm).
     """
-    problem = sample_mixing(gm, loss, reduction)
+    flows = _flows(gm)
+    effect = split_batch_effect(gm, flows)
+    if effect is not None:
+        raise PlanError(describe(effect, shards))
+    problem = sample_mixing(gm, loss, reduction, flows)
     if problem is None:
         return
     node, why = problem
@@ -123,13 +130,17 @@ def _refuse_sample_mixing(gm: fx.GraphModule, loss: fx.Node, reduction: fx.Node,
         "run with dp=1 and one microbatch")
 
 
-def sample_mixing(gm: fx.GraphModule, loss: fx.Node, reduction: fx.Node
-                  ) -> tuple[fx.Node, str] | None:
-    """(node, why) where per-sample dataflow into the loss's final `reduction` (or into
-    a buffer's new value) is not proven, else None."""
+def _flows(gm: fx.GraphModule) -> BatchFlow:
     from .sync_batch_norm import training_batch_norms
 
-    flows = BatchFlow(gm, _batch_symbols(gm), training_batch_norms(gm))
+    return BatchFlow(gm, _batch_symbols(gm), training_batch_norms(gm))
+
+
+def sample_mixing(gm: fx.GraphModule, loss: fx.Node, reduction: fx.Node,
+                  flows: BatchFlow | None = None) -> tuple[fx.Node, str] | None:
+    """(node, why) where per-sample dataflow into the loss's final `reduction` (or into
+    a buffer's new value) is not proven, else None."""
+    flows = flows or _flows(gm)
     name = op_name(reduction)
     if name in _ELEMENTWISE_LOSSES or name in _CLASS_LOSSES:
         flow = flows.per_element_loss(reduction)

@@ -60,6 +60,7 @@ from ..errors import PlanError
 from ..graph import AH_PARAM, AH_ROLE, VAL, module_path, op_name, output_node
 from ..cost.compute import grad_nodes
 from ..search.layers import segment
+from .batch_effects import updates_running_statistics
 from .manager import PassContext, dump_dir
 
 _BATCH_ROLES = ("input", "target")
@@ -320,7 +321,8 @@ def pipeline_blockers(gm: fx.GraphModule) -> list[str]:
     """Why `gm` cannot be cut into pipeline stages at any boundaries (empty when it can):
     in-place writes into a parameter, buffer, constant or batch tensor, of which every
     stage reading it holds its own copy (the writes of one stage would not reach the
-    others, nor the batch the caller passed)."""
+    others, nor the batch the caller passed), running statistics included
+    (InstanceNorm's, which its op's schema does not declare as written)."""
     writes = []
     for group in written_tensors(gm):
         base = group.base
@@ -334,6 +336,9 @@ def pipeline_blockers(gm: fx.GraphModule) -> list[str]:
         first = group.mutations[0]
         writes.append(f"node {first.name!r} ({op_name(first)}, in "
                       f"{module_path(first) or 'the model'}) writes in place into {what}")
+    writes += [f"node {n.name!r} ({op_name(n)}, in {module_path(n) or 'the model'}) "
+               "updates its running statistics (buffers) in place"
+               for n in gm.graph.nodes if updates_running_statistics(n)]
     if not writes:
         return []
     more = f" (and {len(writes) - 3} more)" if len(writes) > 3 else ""

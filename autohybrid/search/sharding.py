@@ -12,7 +12,10 @@ value meets an op that needs it whole along the shard dim, an all-gather joins i
 
 Linear-like ops are `aten.linear` (weight out × in) and `aten.addmm` / `aten.mm` /
 `aten.matmul` with a 2-D parameter as the right operand (weight in × out, Hugging Face's
-Conv1D). Position embeddings (indices built from `arange`) stay replicated, as in Megatron.
+Conv1D). Position embeddings (indices built from `arange`) stay replicated, as in Megatron,
+and so do embeddings whose whole table the vocabulary-parallel embedding cannot stand in
+for (`scale_grad_by_freq=True`, `max_norm`: `whole_table_embeddings`), with every linear
+that shares their weight (a tied LM head); each tp rank then computes them as eager does.
 
 Generic linears: a linear-like op Megatron's rules leave replicated (its output does not
 reach a row linear, an attention or the loss) is an open decision — column-parallel, with
@@ -52,7 +55,7 @@ import torch.fx as fx
 
 from ..cost.compute import nbytes_expr, sym_expr
 from ..errors import PlanError
-from ..graph import AH_PARAM, AH_ROLE, VAL, op_name
+from ..graph import AH_PARAM, AH_ROLE, VAL, op_name, schema_args
 
 R = "replicate"
 P = "partial"
@@ -141,6 +144,24 @@ def is_position_embedding(node: fx.Node, budget: int = 16) -> bool:
             return True
         frontier.extend(current.all_input_nodes)
     return False
+
+
+def whole_table_embeddings(gm: fx.GraphModule) -> set[str]:
+    """Parameter keys of embedding tables that must stay whole on every tp rank: looked up
+    with `scale_grad_by_freq=True` (gradients scaled by the batch's id counts) or with
+    `max_norm` (`embedding_renorm_` of the rows read, in place, before the lookup)."""
+    out = set()
+    for node in gm.graph.nodes:
+        name = op_name(node)
+        if name == "aten.embedding.default" and schema_args(node).get("scale_grad_by_freq"):
+            out.add(param_key(node.args[0]))
+        elif name == "aten.embedding_renorm_.default":
+            table = node.args[0]
+            if op_name(table) == "aten.detach.default":
+                table = table.args[0]
+            if table.op == "placeholder":
+                out.add(param_key(table))
+    return out
 
 
 @dataclass
@@ -511,6 +532,7 @@ def propagate_layout(gm: fx.GraphModule, choices: dict[str, str],
     forced = forced or {}
     layout = TensorParallelLayout()
     place = layout.placements
+    whole = whole_table_embeddings(gm)
     for node in gm.graph.nodes:
         if node.op != "call_function":
             place[node.name] = R
@@ -526,12 +548,15 @@ def propagate_layout(gm: fx.GraphModule, choices: dict[str, str],
             place[node.name] = R
             continue
         parts = linear_parts(node)
+        if parts is not None and param_key(parts.weight) in whole:
+            _whole_linear(node, parts, layout)
+            continue
         if parts is not None:
             _linear(node, parts, layout, choices.get(node.name), node.name in forced)
             continue
         if name == "aten.embedding.default":
             place[node.name] = R
-            if is_position_embedding(node):
+            if is_position_embedding(node) or param_key(node.args[0]) in whole:
                 continue
             weight = node.args[0]
             layout.param_placements[param_key(weight)] = shard(0)
@@ -669,6 +694,15 @@ def mark_key_value_projections(gm: fx.GraphModule, layout: TensorParallelLayout)
                 layout.kv_linears.add(source.name)
                 layout.kv_params.update(param_key(a) for a in source.args[1:3]
                                         if isinstance(a, fx.Node))
+
+
+def _whole_linear(node: fx.Node, parts: LinearParts, layout: TensorParallelLayout) -> None:
+    """A linear sharing a whole-table embedding's weight: replicated, its input gathered."""
+    if shard_dim(layout.placements.get(parts.x.name, R)) is not None:
+        layout.collectives.append(Collective(node.name, "all_gather", "forward",
+                                             nbytes_expr(_val(parts.x))))
+    layout.linear_roles[node.name] = "replicate"
+    layout.placements[node.name] = R
 
 
 def _linear(node: fx.Node, parts: LinearParts, layout: TensorParallelLayout,
