@@ -23,6 +23,8 @@ from autohybrid.passes import run_passes
 from autohybrid.passes.global_loss import global_loss
 
 from _equiv import Failures, report, train_and_compare
+from _limits import guard
+from _pool import launch as pool_launch
 from test_passes import make_plan, train_context
 
 VOCAB, HIDDEN, BATCH, SEQ = 12, 8, 4, 6
@@ -191,7 +193,8 @@ def _rank(rank: int) -> list[str]:
     return fails
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.procs
+@pytest.mark.timeout(200)
 def test_split_batch_effects_train_like_eager_or_are_refused() -> None:
-    results = ah.launch(_rank, ah.Cluster.local(2), timeout_s=540)
+    results = pool_launch(_rank, 2, timeout_s=guard(180))
     assert not any(results), report(results)
