@@ -15,7 +15,11 @@ Isolation: each run starts with the test process's environment as it is then (so
 `monkeypatch.setenv` reaches the ranks), its own process group (destroyed after), and
 torch's default random generator reseeded as a fresh process would be. A rank that
 fails or hangs ends its pool: every worker is killed and the next run starts new ones.
-`main` and `args` travel pickled, so `main` must be a module-level function.
+So does a run that changed autohybrid's code in a rank (a function or class replaced in
+an autohybrid module, a method patched onto one of its classes, a custom op's autograd
+registered again: what tests that inject a bug do), checked after every run, so no later
+test sees the change. A test that changes other global state in its ranks uses
+`ah.launch`. `main` and `args` travel pickled, so `main` must be a module-level function.
 `AUTOHYBRID_TEST_POOL=0` runs every launch through `ah.launch` instead.
 """
 from __future__ import annotations
@@ -72,8 +76,9 @@ atexit.register(close_all)
 class _Pool:
     def __init__(self, world: int):
         ah.runtime.launch._import_compile_path()  # the ranks inherit the modules
+        _import_all_autohybrid()                  # and the fingerprint covers them all
         ctx = mp.get_context("fork")
-        self.world, self.procs, self.conns = world, [], []
+        self.world, self.procs, self.conns, self.dirty = world, [], [], False
         for rank in range(world):
             parent, child = ctx.Pipe(duplex=True)
             p = ctx.Process(target=_worker, args=(rank, world, child, os.getpid()),
@@ -84,7 +89,7 @@ class _Pool:
             self.conns.append(parent)
 
     def alive(self) -> bool:
-        return all(p.is_alive() for p in self.procs)
+        return not self.dirty and all(p.is_alive() for p in self.procs)
 
     def run(self, main: Callable[..., Any], args: tuple, timeout_s: float | None) -> list:
         store = tempfile.mkdtemp(prefix="autohybrid-pool-")
@@ -119,6 +124,8 @@ class _Pool:
                 kind, payload = pickle.loads(obj.recv_bytes())
                 if kind == "err":
                     raise ah.RankFailure(rank, payload, None)
+                if kind == "changed":   # the run patched autohybrid: end this pool after it
+                    self.dirty = True
                 results[rank] = payload
         return [results[r] for r in range(self.world)]
 
@@ -141,6 +148,7 @@ def _worker(rank: int, world: int, conn: Any, parent_pid: int) -> None:
     ah.runtime.launch._set_parent_death_signal()
     if os.getppid() != parent_pid:
         os._exit(1)
+    code = _code_fingerprint()
     while True:
         try:
             main, args, env, store = pickle.loads(conn.recv_bytes())
@@ -156,13 +164,48 @@ def _worker(rank: int, world: int, conn: Any, parent_pid: int) -> None:
                                     world_size=world,
                                     timeout=ah.runtime.launch._collective_timeout())
             try:
-                message = ("ok", main(rank, *args))
+                result = main(rank, *args)
             finally:
                 dist.destroy_process_group()
-            conn.send_bytes(pickle.dumps(message))
+            conn.send_bytes(pickle.dumps(
+                ("ok" if _code_fingerprint() == code else "changed", result)))
         except BaseException:  # noqa: BLE001 - the test process reports it
             conn.send_bytes(pickle.dumps(("err", traceback.format_exc())))
             os._exit(1)  # a failed rank may leave its peers in a collective: end the pool
         finally:
             os.environ.clear()
             os.environ.update(saved)
+
+
+def _import_all_autohybrid() -> None:
+    """Every autohybrid module, so the code fingerprint covers each from the start."""
+    import importlib
+    import pkgutil
+
+    for info in pkgutil.walk_packages(ah.__path__, "autohybrid."):
+        if not info.name.endswith("__main__"):
+            importlib.import_module(info.name)
+
+
+def _code_fingerprint() -> tuple:
+    """Identities of autohybrid's module-level functions and classes, of its classes'
+    methods, and of its custom ops' autograd registrations."""
+    import sys
+    import types
+
+    from torch._library.custom_ops import CustomOpDef
+
+    out = []
+    for name, module in sorted(sys.modules.items()):
+        if not name.startswith("autohybrid") or module is None:
+            continue
+        for attr, value in sorted(vars(module).items()):
+            if isinstance(value, (types.FunctionType, type)):
+                out.append((name, attr, id(value)))
+                if isinstance(value, type):
+                    out.extend((name, attr, k, id(v)) for k, v in vars(value).items()
+                               if isinstance(v, (types.FunctionType, property,
+                                                 staticmethod, classmethod)))
+            elif isinstance(value, CustomOpDef):
+                out.append((name, attr, id(value._backward_fn), id(value._setup_context_fn)))
+    return tuple(out)
