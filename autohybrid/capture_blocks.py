@@ -5,8 +5,9 @@ torch.export traces every layer; for GPT-3 (96 identical blocks) that is most of
 planning time. Here the model's longest ModuleList of blocks is found and a cheap fake
 forward (capture_probe.py) records what every block does. When the record is periodic —
 blocks i and i − p trace alike for every i ≥ 2p, p dividing the depth and at least
-`MIN_UNITS` units — the model is exported with its first p and its first 2p blocks only
-and capture_splice.py builds the graph a full export gives (same ops, node order and
+`MIN_UNITS` units — the model is exported with its first k·p and its first (k + 1)·p
+blocks only (k = 2, or 5 where torch.export's names need longer to settle) and
+capture_splice.py builds the graph a full export gives (same ops, node order and
 names, placeholders, module paths, graph hash). Everything else falls back to the full
 export, silently except for a line on the `autohybrid.capture` logger
 (`AUTOHYBRID_LOG=capture`): a model without such a list, hooks, an instance-level forward,
@@ -34,13 +35,13 @@ import torch.nn as nn
 from torch.nn.modules import module as _module
 
 from .capture_probe import Refused, Trace, probe
-from .capture_splice import splice
+from .capture_splice import KEPT_TRIES, splice
 
 #: environment variable: "full" exports the whole model, anything else allows blocks
 CAPTURE_ENV = "AUTOHYBRID_CAPTURE"
-#: fewest repeats of the block pattern worth replicating (below, the small export is the
-#: full one)
-MIN_UNITS = 3
+#: fewest repeats of the block pattern worth replicating (below, the larger small export
+#: is the full one)
+MIN_UNITS = KEPT_TRIES[0] + 2
 
 log = logging.getLogger("autohybrid.capture")
 
@@ -121,6 +122,19 @@ def _export(wrapper: nn.Module, args: tuple, dynamic: tuple) -> Any:
     return torch.export.export(wrapper, args, dynamic_shapes=(dynamic,), strict=False)
 
 
+def _splice(wrapper: nn.Module, args: tuple, dynamic: tuple, blocks: nn.ModuleList,
+            list_path: str, trace: Trace, p: int, kept: int) -> Any:
+    """Export `kept` and `kept + 1` units of p blocks and build the full graph from them."""
+    with _first(blocks, (kept + 1) * p):
+        small = probe(wrapper, blocks, list_path, args)
+        if small.prefix != trace.prefix or small.suffix != trace.suffix:
+            raise Refused("the code before or after the blocks depends on their number")
+        ep_b = _export(wrapper, args, dynamic)
+    with _first(blocks, kept * p):
+        ep_a = _export(wrapper, args, dynamic)
+    return splice(ep_a, ep_b, list_path, p, len(blocks) // p, kept)
+
+
 def export_by_blocks(wrapper: nn.Module, args: tuple, dynamic: tuple) -> Any | None:
     """`wrapper`'s exported program built from p and 2p of its blocks, or None.
 
@@ -142,14 +156,18 @@ def export_by_blocks(wrapper: nn.Module, args: tuple, dynamic: tuple) -> Any | N
         _check_model(model, blocks)
         trace = probe(wrapper, blocks, list_path, args)
         p = _period(trace, blocks)
-        with _first(blocks, 2 * p):
-            small = probe(wrapper, blocks, list_path, args)
-            if small.prefix != trace.prefix or small.suffix != trace.suffix:
-                raise Refused("the code before or after the blocks depends on their number")
-            ep2 = _export(wrapper, args, dynamic)
-        with _first(blocks, p):
-            ep1 = _export(wrapper, args, dynamic)
-        out = splice(ep1, ep2, list_path, p, len(blocks) // p)
+        out = None
+        for kept in KEPT_TRIES:
+            if (2 * kept + 1) * p > len(blocks):
+                raise Refused(f"{len(blocks)} blocks: exporting {kept} and {kept + 1} units "
+                              "costs what the full export does")
+            try:
+                out = _splice(wrapper, args, dynamic, blocks, list_path, trace, p, kept)
+                break
+            except Refused as exc:
+                if kept == KEPT_TRIES[-1] or "out of step" not in str(exc):
+                    raise
+                log.info("%s; trying %d units", exc, KEPT_TRIES[-1])
     except Refused as exc:
         log.info("full export of %s: %s", type(model).__name__, exc)
         return None
@@ -159,5 +177,5 @@ def export_by_blocks(wrapper: nn.Module, args: tuple, dynamic: tuple) -> Any | N
         return None
     log.info("captured %s: %d blocks of %s as %d units of %d block(s) from exports of %d "
              "and %d blocks in %.2f s", type(model).__name__, len(blocks), path,
-             len(blocks) // p, p, p, 2 * p, time.perf_counter() - start)
+             len(blocks) // p, p, kept * p, (kept + 1) * p, time.perf_counter() - start)
     return out

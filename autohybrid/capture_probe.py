@@ -1,7 +1,8 @@
 """A cheap trace of what each block of a model does, to prove blocks trace identically.
 
 Owns the probe behind capture per distinct block (capture_blocks.py): one forward of the
-model (with its loss) under a FakeTensorMode — no compute, no graph — recording every
+model (with its loss) on the meta device or under a FakeTensorMode — no compute, no
+graph — recording every
 top-level torch call (`TorchFunctionMode`) as (function, arguments, result). Tensors in
 the record are named by where they came from, not by identity: a parameter by its name
 (a block's own parameters relative to the block), a tensor made by an earlier call by
@@ -153,8 +154,12 @@ def probe(wrapper: nn.Module, blocks: nn.ModuleList, list_path: str, args: tuple
     for name, t in [*wrapper.named_parameters(remove_duplicate=False),
                     *wrapper.named_buffers(remove_duplicate=False)]:
         names.setdefault(id(t), name)
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fake = tuple(mode.from_tensor(a) for a in args)
+    on_meta = all(t.device.type == "meta" for t in [*args, *wrapper.parameters(),
+                                                      *wrapper.buffers()])
+    # a model on the meta device runs as it is (cheapest); others on fake tensors
+    mode = contextlib.nullcontext() if on_meta else FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        fake = args if on_meta else tuple(mode.from_tensor(a) for a in args)
         recorder = _Recorder(names, fake, list_path)
         with _marked(blocks, recorder), recorder:  # grad on: export traces with it
             wrapper(*fake)

@@ -1,17 +1,23 @@
-"""Build the graph a full export gives from exports of p and 2·p blocks of a model.
+"""Build the graph a full export gives from exports of k·p and (k + 1)·p blocks of a model.
 
 Owns the graph surgery behind capture per distinct block (capture_blocks.py decides when
-it is safe). Given `ep1` (the model exported with its first p blocks) and `ep2` (with its
-first 2·p), the full model with q·p blocks is: the placeholders and nodes before the
-blocks (P), unit 0 and unit 1 of ep2 (U0, U1), q − 2 copies of U1, and the nodes after
-the blocks (S). A copy of U1 for unit j reads unit j − 1 where U1 reads U0, and unit j's
-parameters and buffers where U1 reads unit 1's. Names follow torch.fx's counters: a node
-`linear_5` of U1 is `linear_{5 + (j-1)·d}` in unit j, where d is how many names of that
-base a unit takes (measured between U0 and U1, and between ep1's and ep2's S); the
-`nn_module_stack` and placeholder names get the unit's block indices. Fake values of the
-copies are computed afresh (views alias their own inputs). Every rule is checked on ep1
-and ep2 first — what does not follow it raises Refused, and capture exports the full
-model instead. It never touches the model.
+it is safe). Given `ep_a` (the model exported with its first k units of p blocks) and
+`ep_b` (with its first k + 1), the full model with q units is: the nodes before the
+blocks, units 0..k of ep_b as they are, q − k − 1 copies of unit k, and the nodes after
+the blocks. A copy for unit j reads unit j − 1 where the template reads unit k − 1, and
+unit j's parameters and buffers where it reads unit k's. Names follow torch.fx's
+counters: a node `linear_12` of the template is `linear_{12 + (j − k)·d}` in unit j,
+where d is how many names of that base a unit takes — measured between units k − 1 and
+k, and required to be the same between units k − 2 and k − 1. (torch.export spends names
+on symbolic-size nodes it drops later; Hugging Face GPT-2 and Llama do so in units 0 and
+2 only, so they need k = 5; the zoo's GPT and Llama are in step from unit 0, k = 2.)
+Names before and after the blocks move by what they moved from ep_a to ep_b, once per
+unit. The `nn_module_stack` and placeholder names get the unit's block indices. A copy
+shares the fake value (`meta["val"]`: shape with the same symbols, stride, dtype) of the
+node it copies — computing it again costs what the export costs, and fake values are
+read for their metadata, never for storage identity. Every rule is checked on ep_a and
+ep_b first — what does not follow it raises Refused, and capture exports the full model
+instead. It never touches the model.
 """
 from __future__ import annotations
 
@@ -20,14 +26,17 @@ import re
 from types import SimpleNamespace
 from typing import Any, Callable
 
-import torch
 import torch.fx as fx
 from torch.export.graph_signature import OutputKind, TensorArgument
 
 from .capture_probe import Refused
-from .graph import MODULE_STACK, VAL, fake_mode, refresh_fake
+from .graph import MODULE_STACK
 
 _COUNTER = re.compile(r"^(.*)_(\d+)$")
+#: how many units the smaller export holds, tried in this order: the larger export's units
+#: 0..kept are used as they are and its last is the template of every copy (a larger
+#: count lets torch.export's naming settle, see the module docstring)
+KEPT_TRIES = (2, 5)
 
 
 def _split(name: str) -> tuple[str, int]:
@@ -93,32 +102,35 @@ def _move(spec: Any, units: _Units, by: int, name: str | None = None) -> Any:
     return dataclasses.replace(spec, arg=arg, target=units.shift(spec.target, by))
 
 
-def _specs(specs1: list, specs2: list, units: _Units) -> list[list]:
-    """[before, U0, U1, after] of ep2's specs, checked against ep1's and unit to unit."""
-    a1, u0_1, b1 = _cut(specs1, lambda s: units.of_target(s.target), 1)
-    a2, u0, u1, b2 = _cut(specs2, lambda s: units.of_target(s.target), 2)
+def _specs(specs_a: list, specs_b: list, units: _Units, kept: int) -> list[list]:
+    """[before, unit 0, ..., unit K, after] of ep_b's specs, checked against ep_a's."""
+    cut_a = _cut(specs_a, lambda s: units.of_target(s.target), kept)
+    cut_b = _cut(specs_b, lambda s: units.of_target(s.target), kept + 1)
     same = lambda xs, ys: [_key(x) for x in xs] == [_key(y) for y in ys]  # noqa: E731
-    if not (same(a1, a2) and same(u0_1, u0) and same(b1, b2)):
+    if not (same(cut_a[0], cut_b[0]) and same(cut_a[-1], cut_b[-1])
+            and all(same(x, y) for x, y in zip(cut_a[1:-1], cut_b[1:-1]))):
         raise Refused("the graph signature outside the blocks changes with the number of blocks")
-    if not same(u1, [_move(s, units, 1) for s in u0]):
-        raise Refused("unit 1's parameters and buffers are not unit 0's renamed")
-    if any(not isinstance(s.arg, TensorArgument) for s in u0):
+    if not same(cut_b[-2], [_move(s, units, 1) for s in cut_b[-3]]):
+        raise Refused(f"unit {kept}'s parameters and buffers are not unit {kept - 1}'s renamed")
+    if any(not isinstance(s.arg, TensorArgument) for s in cut_b[-2]):
         raise Refused("a block input that is not a tensor")
-    return [a2, u0, u1, b2]
+    return cut_b
 
 
 def _shifts(pairs: list[tuple[fx.Node, fx.Node]], what: str) -> dict[str, int]:
+    """How many names of each base one unit takes (the same for every node of a base)."""
     out: dict[str, int] = {}
     for a, b in pairs:
         (base, n), (base_b, m) = _split(a.name), _split(b.name)
-        if a.op != b.op or a.target != b.target or base != base_b \
-                or out.setdefault(base, m - n) != m - n:
-            raise Refused(f"{what}: {a.name} ({a.target}) and {b.name} ({b.target}) do not match")
+        if a.op != b.op or a.target != b.target or base != base_b:
+            raise Refused(f"{what}: {a.name} ({a.target}) and {b.name} ({b.target}) differ")
+        if out.setdefault(base, m - n) != m - n:
+            raise Refused(f"{what}: {a.name} and {b.name} are named out of step")
     return out
 
 
 def _moves(pairs: list[tuple[fx.Node, fx.Node]], what: str) -> dict[fx.Node, int]:
-    """How far each name of ep2 moved from ep1's (one unit more)."""
+    """How far each name of ep_b moved from ep_a's (one unit more)."""
     out = {}
     for a, b in pairs:
         (base, n), (base_b, m) = _split(a.name), _split(b.name)
@@ -129,60 +141,72 @@ def _moves(pairs: list[tuple[fx.Node, fx.Node]], what: str) -> dict[fx.Node, int
     return out
 
 
-def splice(ep1: Any, ep2: Any, list_path: str, p: int, q: int) -> SimpleNamespace:
-    """The exported program (graph_module, graph_signature, constants) of q units."""
+def _compute(ep: Any) -> list[fx.Node]:
+    return [n for n in ep.graph_module.graph.nodes if n.op not in ("placeholder", "output")]
+
+
+def splice(ep_a: Any, ep_b: Any, list_path: str, p: int, q: int, kept: int) -> SimpleNamespace:
+    """The exported program (graph_module, graph_signature, constants) of q units, from
+    ep_a (`kept` units of p blocks) and ep_b (kept + 1 units)."""
     units = _Units(list_path, p)
-    g1, g2 = ep1.graph_module.graph, ep2.graph_module.graph
-    if set(ep1.constants) != set(ep2.constants):
+    if q < kept + 2:
+        raise Refused(f"{q} units: the small export is the full one")
+    if set(ep_a.constants) != set(ep_b.constants):
         raise Refused("the blocks hold tensor constants")
-    ins = _specs(ep1.graph_signature.input_specs, ep2.graph_signature.input_specs, units)
+    ins = _specs(ep_a.graph_signature.input_specs, ep_b.graph_signature.input_specs, units,
+                 kept)
     muts = [[s for s in ep.graph_signature.output_specs if s.kind == OutputKind.BUFFER_MUTATION]
-            for ep in (ep1, ep2)]
-    outs = _specs(*muts, units)
-    users = [s for s in ep2.graph_signature.output_specs if s.kind != OutputKind.BUFFER_MUTATION]
-    c1 = [n for n in g1.nodes if n.op not in ("placeholder", "output")]
-    c2 = [n for n in g2.nodes if n.op not in ("placeholder", "output")]
-    pre, u0, u1, post = _cut(c2, units.of_node, 2)
-    if len(u0) != len(u1) or not u0 or len(c1) != len(pre) + len(u0) + len(post):
-        raise Refused("unit 0 and unit 1 differ in size")
-    if any(n.op == "get_attr" or "unbacked_bindings" in n.meta for n in u0 + u1):
+            for ep in (ep_a, ep_b)]
+    outs = _specs(*muts, units, kept)
+    users = [s for s in ep_b.graph_signature.output_specs
+             if s.kind != OutputKind.BUFFER_MUTATION]
+    cut_a = _cut(_compute(ep_a), units.of_node, kept)
+    cut_b = _cut(_compute(ep_b), units.of_node, kept + 1)
+    if len({len(u) for u in cut_b[1:-1] + cut_a[1:-1]}) != 1 or not cut_b[1] \
+            or len(cut_a[0]) != len(cut_b[0]) or len(cut_a[-1]) != len(cut_b[-1]):
+        raise Refused("units differ in size")
+    prev, last = cut_b[-3], cut_b[-2]
+    if any(n.op == "get_attr" or "unbacked_bindings" in n.meta for n in last):
         raise Refused("a block holds a submodule call or a data-dependent size")
-    if [(n.name, n.target) for n in c1[len(pre):len(pre) + len(u0)]] != \
-            [(n.name, n.target) for n in u0]:
-        raise Refused("unit 0 changes with the number of blocks")
-    d = _shifts(list(zip(u0, u1)), "unit 0 and unit 1")
-    for a, b in zip(u0, u1):
+    if any([n.name for n in x] != [n.name for n in y] for x, y in zip(cut_a[1:-1], cut_b[1:-1])):
+        raise Refused("the first units change with the number of blocks")
+    d = _shifts(list(zip(prev, last)), f"units {kept - 1} and {kept}")
+    # the last three units must take names in step (torch.export spends names on
+    # symbolic-size nodes it drops later, in some of the first units only)
+    if _shifts(list(zip(cut_b[-4], prev)), f"units {kept - 2} and {kept - 1}") != d:
+        raise Refused(f"torch.export names units {kept - 2}, {kept - 1} and {kept} out of step")
+    for a, b in zip(prev, last):
         if units.stack(a.meta, 1) != b.meta.get(MODULE_STACK):
             raise Refused(f"module paths of {b.name} are not those of {a.name} moved one unit")
     # names before and after the blocks may count names made inside them (torch.export
     # hoists the sym_size nodes of the inputs to the top at the end): one step per unit
-    moves = _moves(list(zip(c1[:len(pre)], pre)), "the nodes before the blocks")
-    moves.update(_moves(list(zip(c1[len(pre) + len(u0):], post)), "the nodes after the blocks"))
-    if any(d.get(_split(n.name)[0], moves[n]) != moves[n] for n in post):
+    moves = _moves(list(zip(cut_a[0], cut_b[0])), "the nodes before the blocks")
+    moves.update(_moves(list(zip(cut_a[-1], cut_b[-1])), "the nodes after the blocks"))
+    if any(d.get(_split(n.name)[0], moves[n]) != moves[n] for n in cut_b[-1]):
         raise Refused("names after the blocks do not move by a unit's count")
-    return _Builder(ep2, units, q, ins, (pre, u0, u1, post), (d, moves)).build(outs, users)
+    return _Builder(ep_b, units, q, kept, ins, cut_b, (d, moves)).build(outs, users)
 
 
 class _Builder:
-    """Emits the q-unit graph from ep2's parts (checked by `splice`)."""
+    """Emits the q-unit graph from ep_b's parts (checked by `splice`)."""
 
-    def __init__(self, ep2: Any, units: _Units, q: int, ins: list[list], parts: tuple,
-                 shifts: tuple[dict, dict]):
-        self.ep2, self.units, self.q, self.ins = ep2, units, q, ins
-        self.pre, self.u0, self.u1, self.post = parts
+    def __init__(self, ep_b: Any, units: _Units, q: int, kept: int, ins: list[list],
+                 parts: list[list], shifts: tuple[dict, dict]):
+        self.ep_b, self.units, self.q, self.kept_units, self.ins = ep_b, units, q, kept, ins
+        self.pre, self.kept, self.post = parts[0], parts[1:-1], parts[-1]
+        self.last = self.kept[-1]              # the template of every copy
         self.d, self.e = shifts
-        self.mode = fake_mode(ep2.graph_module)
         self.graph = fx.Graph()
-        self.graph._codegen = ep2.graph_module.graph._codegen
-        self.env: dict[fx.Node, fx.Node] = {}            # ep2 node → node as it is
-        self.phs = {n.name: n for n in ep2.graph_module.graph.nodes if n.op == "placeholder"}
-        self.unit_ph: list[dict[str, fx.Node]] = []       # per unit: U1 name → new placeholder
-        self.unit_nodes: list[dict[fx.Node, fx.Node]] = []  # per unit: U1 node → new node
-        self.index0 = {n: i for i, n in enumerate(self.u0)}
+        self.graph._codegen = ep_b.graph_module.graph._codegen
+        self.env: dict[fx.Node, fx.Node] = {}            # ep_b node → node as it is
+        self.phs = {n.name: n for n in ep_b.graph_module.graph.nodes if n.op == "placeholder"}
+        self.unit_ph: list[dict[str, fx.Node]] = []       # per unit: template name → placeholder
+        self.unit_nodes: list[dict[fx.Node, fx.Node]] = []  # per unit: template node → node
+        self.index_prev = {n: i for i, n in enumerate(self.kept[-2])}
         self.specs: list = []
 
     def _emit(self, template: fx.Node, name: str, args: tuple, kwargs: dict,
-              stack_units: int, fresh: bool) -> fx.Node:
+              stack_units: int) -> fx.Node:
         if template.op == "placeholder":
             node = self.graph.placeholder(name)
         else:
@@ -192,35 +216,28 @@ class _Builder:
         node.meta = dict(template.meta)
         if stack_units and MODULE_STACK in node.meta:
             node.meta[MODULE_STACK] = self.units.stack(template.meta, stack_units)
-        if fresh and node.op == "placeholder":
-            val = template.meta[VAL]
-            with self.mode:
-                node.meta[VAL] = torch.empty_strided(
-                    val.shape, val.stride(), dtype=val.dtype, device=val.device,
-                    requires_grad=val.requires_grad)
-        elif fresh and node.op == "call_function":
-            refresh_fake(node, self.mode)
         return node
 
     def _copy(self, template: fx.Node, lookup: Callable[[fx.Node], fx.Node], name: str,
               stack_units: int) -> fx.Node:
         args, kwargs = fx.node.map_arg((template.args, template.kwargs), lookup)
-        return self._emit(template, name, args, kwargs, stack_units, fresh=True)
+        return self._emit(template, name, args, kwargs, stack_units)
 
     def _placeholders(self) -> None:
-        before, s0, s1, after = self.ins
+        """Parameters and buffers: before the blocks, unit by unit, after."""
+        before, *kept, after = self.ins
         for spec in before:
             self._keep(self.phs[spec.arg.name])
         for j in range(self.q):
             made: dict[str, fx.Node] = {}
-            for spec0, spec1 in zip(s0, s1):
-                if j < 2:
-                    made[spec1.arg.name] = self._keep(self.phs[(spec0, spec1)[j].arg.name])
-                    self.specs.append((spec0, spec1)[j])
+            for i, template in enumerate(kept[-1]):
+                if j <= self.kept_units:
+                    made[template.arg.name] = self._keep(self.phs[kept[j][i].arg.name])
+                    self.specs.append(kept[j][i])
                     continue
-                moved = _move(spec1, self.units, j - 1)
-                made[spec1.arg.name] = self._emit(self.phs[spec1.arg.name], moved.arg.name,
-                                                  (), {}, 0, fresh=True)
+                moved = _move(template, self.units, j - self.kept_units)
+                made[template.arg.name] = self._emit(self.phs[template.arg.name],
+                                                     moved.arg.name, (), {}, 0)
                 self.specs.append(moved)
             self.unit_ph.append(made)
         for spec in after:
@@ -228,72 +245,76 @@ class _Builder:
         self.specs = [*before, *self.specs, *after]
 
     def _keep(self, node: fx.Node, name: str | None = None) -> fx.Node:
-        """`node` as ep2 has it (renamed to `name`), reading the new graph's nodes."""
+        """`node` as ep_b has it (renamed to `name`), reading the new graph's nodes."""
         args = fx.node.map_arg((node.args, node.kwargs), lambda a: self.env[a])
-        new = self._emit(node, name or node.name, *args, 0, False)
+        new = self._emit(node, name or node.name, *args, 0)
         self.env[node] = new
         return new
 
     def _lookup(self, unit: int) -> Callable[[fx.Node], fx.Node]:
-        """Where U1's (or, unit = q, S's) inputs are in the new graph, for unit `unit`."""
-        s0, s1 = self.ins[1], self.ins[2]
-        ph_unit = {s.arg.name: (-1, s1[i].arg.name) for i, s in enumerate(s0)}
-        ph_unit.update({s.arg.name: (0, s.arg.name) for s in s1})
+        """Where the template's (or the suffix's) inputs are for unit `unit` (> kept)."""
+        prev, last = self.ins[-3], self.ins[-2]
+        ph_unit = {s.arg.name: (-1, last[i].arg.name) for i, s in enumerate(prev)}
+        ph_unit.update({s.arg.name: (0, s.arg.name) for s in last})
 
         def lookup(node: fx.Node) -> fx.Node:
-            if node.name in ph_unit and node.op == "placeholder":
+            if node.op == "placeholder" and node.name in ph_unit:
                 back, name = ph_unit[node.name]
                 return self.unit_ph[unit + back][name]
-            if node in self.index0:
-                return self.unit_nodes[unit - 1][self.u1[self.index0[node]]]
-            if unit < self.q and node in self.unit_nodes[unit]:
+            if node in self.index_prev:
+                return self.unit_nodes[unit - 1][self.last[self.index_prev[node]]]
+            if node in self.unit_nodes[unit]:
                 return self.unit_nodes[unit][node]
-            if node in self.env and (node.op == "placeholder" or node in self.pre_set
-                                     or node in self.post_set):
+            if node in self.env and (node.op == "placeholder" or node in self.outside):
                 return self.env[node]
             raise Refused(f"{node.name} is read across units in a way a copy cannot follow")
         return lookup
 
     def build(self, outs: list[list], users: list) -> SimpleNamespace:
-        self.pre_set, self.post_set = set(self.pre), set(self.post)
+        """The new graph: placeholders, before, units (kept, then copies), after, output."""
+        self.outside = set(self.pre) | set(self.post)
         self._placeholders()
+        copies = self.q - self.kept_units - 1
         for node in self.pre:
             base, num = _split(node.name)
-            self._keep(node, _join(base, num + (self.q - 2) * self.e[node]))
+            self._keep(node, _join(base, num + copies * self.e[node]))
         for j in range(self.q):
-            if j < 2:
-                nodes = (self.u0, self.u1)[j]
-                self.unit_nodes.append({t: self._keep(n) for t, n in zip(self.u1, nodes)})
+            if j <= self.kept_units:
+                self.unit_nodes.append({t: self._keep(n) for t, n in zip(self.last, self.kept[j])})
                 continue
             self.unit_nodes.append({})
             lookup = self._lookup(j)
-            for t in self.u1:
+            for t in self.last:
                 base, num = _split(t.name)
-                self.unit_nodes[j][t] = self._copy(t, lookup, _join(base, num + (j - 1) * self.d[base]),
-                                                   j - 1)
-        lookup = self._lookup(self.q - 1)  # S reads unit q-1 where ep2's S read unit 1
+                name = _join(base, num + (j - self.kept_units) * self.d[base])
+                self.unit_nodes[j][t] = self._copy(t, lookup, name, j - self.kept_units)
+        lookup = self._lookup(self.q - 1)  # the suffix reads unit q-1 where ep_b's read self.kept_units
         for t in self.post:
             base, num = _split(t.name)
-            new = self._copy(t, lookup, _join(base, num + (self.q - 2) * self.e[t]), 0)
-            self.env[t] = new
+            self.env[t] = self._copy(t, lookup, _join(base, num + copies * self.e[t]), 0)
         return self._finish(outs, users, lookup)
 
     def _finish(self, outs: list[list], users: list, lookup) -> SimpleNamespace:
         """The output node and output specs: mutations before, per unit, after; user outputs."""
-        old_out = next(n for n in reversed(self.ep2.graph_module.graph.nodes) if n.op == "output")
-        by_name = {n.name: n for n in self.ep2.graph_module.graph.nodes}
-        before, m0, m1, after = outs
+        nodes = self.ep_b.graph_module.graph.nodes
+        old_out = next(n for n in reversed(nodes) if n.op == "output")
+        by_name = {n.name: n for n in nodes}
+        before, *kept, after = outs
         specs, results = [], []
         for spec in before:
             results.append(lookup(by_name[spec.arg.name]))
             specs.append(spec)
         for j in range(self.q):
-            for spec0, spec1 in zip(m0, m1):
-                new = self.unit_nodes[j].get(by_name[spec1.arg.name])
+            for i, template in enumerate(kept[-1]):
+                spec = kept[j][i] if j <= self.kept_units else template
+                new = self.unit_nodes[j].get(by_name[template.arg.name])
                 if new is None:
-                    raise Refused(f"buffer mutation {spec1.target} is not computed in its block")
+                    raise Refused(f"buffer mutation {spec.target} is not computed in its block")
+                if j <= self.kept_units and new.name != spec.arg.name:
+                    raise Refused(f"buffer mutation {spec.target} is out of place in its unit")
                 results.append(new)
-                specs.append(spec0 if j == 0 else _move(spec1, self.units, j - 1, new.name))
+                specs.append(spec if j <= self.kept_units else _move(template, self.units, j - self.kept_units,
+                                                          new.name))
         for spec in [*after, *users]:
             if not isinstance(spec.arg, TensorArgument):
                 raise Refused(f"an output that is not a tensor ({spec.arg})")
@@ -301,7 +322,7 @@ class _Builder:
             specs.append(dataclasses.replace(spec, arg=TensorArgument(name=results[-1].name)))
         out = self.graph.output(tuple(results))
         out.meta = dict(old_out.meta)
-        gm = fx.GraphModule(self.ep2.graph_module, self.graph)
+        gm = fx.GraphModule(self.ep_b.graph_module, self.graph)
         signature = SimpleNamespace(input_specs=self.specs, output_specs=specs)
         return SimpleNamespace(graph_module=gm, graph_signature=signature,
-                               constants=self.ep2.constants)
+                               constants=self.ep_b.constants)
