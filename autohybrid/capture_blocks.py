@@ -155,6 +155,7 @@ def export_by_blocks(wrapper: nn.Module, args: tuple, dynamic: tuple) -> Any | N
     try:
         _check_model(model, blocks)
         trace = probe(wrapper, blocks, list_path, args)
+        probed = time.perf_counter()
         p = _period(trace, blocks)
         out = None
         for kept in KEPT_TRIES:
@@ -176,6 +177,7 @@ def export_by_blocks(wrapper: nn.Module, args: tuple, dynamic: tuple) -> Any | N
                  type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
         return None
     log.info("captured %s: %d blocks of %s as %d units of %d block(s) from exports of %d "
-             "and %d blocks in %.2f s", type(model).__name__, len(blocks), path,
-             len(blocks) // p, p, kept * p, (kept + 1) * p, time.perf_counter() - start)
+             "and %d blocks in %.2f s (probe of all blocks %.2f s)", type(model).__name__,
+             len(blocks), path, len(blocks) // p, p, kept * p, (kept + 1) * p,
+             time.perf_counter() - start, probed - start)
     return out

@@ -142,6 +142,24 @@ def _marked(blocks: nn.ModuleList, recorder: _Recorder) -> Iterator[None]:
             block.__dict__.pop("forward", None)
 
 
+@contextlib.contextmanager
+def _fake_state(module: nn.Module, mode) -> Iterator[None]:
+    """Every parameter and buffer of `module` replaced by its fake (None: left alone)."""
+    saved = []
+    if mode is not None:
+        for m in module.modules():
+            for table in (m._parameters, m._buffers):
+                for key, t in table.items():
+                    if t is not None:
+                        saved.append((table, key, t))
+                        table[key] = mode.from_tensor(t)   # memoized: tied stay tied
+    try:
+        yield
+    finally:
+        for table, key, t in saved:
+            table[key] = t
+
+
 def probe(wrapper: nn.Module, blocks: nn.ModuleList, list_path: str, args: tuple) -> Trace:
     """Run `wrapper(*args)` once on fake tensors and record it, cut at `blocks`' calls.
 
@@ -150,15 +168,16 @@ def probe(wrapper: nn.Module, blocks: nn.ModuleList, list_path: str, args: tuple
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    names: dict[int, str] = {}
-    for name, t in [*wrapper.named_parameters(remove_duplicate=False),
-                    *wrapper.named_buffers(remove_duplicate=False)]:
-        names.setdefault(id(t), name)
     on_meta = all(t.device.type == "meta" for t in [*args, *wrapper.parameters(),
                                                       *wrapper.buffers()])
-    # a model on the meta device runs as it is (cheapest); others on fake tensors
+    # a model on the meta device runs as it is (cheapest); others on fake copies of their
+    # parameters and buffers (a BatchNorm must not count the probe as a batch)
     mode = contextlib.nullcontext() if on_meta else FakeTensorMode(allow_non_fake_inputs=True)
-    with mode:
+    with mode, _fake_state(wrapper, None if on_meta else mode):
+        names: dict[int, str] = {}
+        for name, t in [*wrapper.named_parameters(remove_duplicate=False),
+                        *wrapper.named_buffers(remove_duplicate=False)]:
+            names.setdefault(id(t), name)
         fake = args if on_meta else tuple(mode.from_tensor(a) for a in args)
         recorder = _Recorder(names, fake, list_path)
         with _marked(blocks, recorder), recorder:  # grad on: export traces with it

@@ -22,6 +22,7 @@ instead. It never touches the model.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -102,6 +103,16 @@ def _move(spec: Any, units: _Units, by: int, name: str | None = None) -> Any:
     return dataclasses.replace(spec, arg=arg, target=units.shift(spec.target, by))
 
 
+def _spec_groups(specs_a: list, specs_b: list, units: _Units, kept: int) -> list[list[list]]:
+    """`_specs` for each run of one kind (parameters, then buffers, ...): export lists all
+    parameters before any buffer, so the blocks' are grouped within each kind."""
+    runs = lambda specs: [list(g) for _, g in itertools.groupby(specs, key=lambda s: s.kind)]  # noqa: E731
+    runs_a, runs_b = runs(specs_a), runs(specs_b)
+    if [r[0].kind for r in runs_a] != [r[0].kind for r in runs_b]:
+        raise Refused("the graph signature changes with the number of blocks")
+    return [_specs(a, b, units, kept) for a, b in zip(runs_a, runs_b)]
+
+
 def _specs(specs_a: list, specs_b: list, units: _Units, kept: int) -> list[list]:
     """[before, unit 0, ..., unit K, after] of ep_b's specs, checked against ep_a's."""
     cut_a = _cut(specs_a, lambda s: units.of_target(s.target), kept)
@@ -153,8 +164,8 @@ def splice(ep_a: Any, ep_b: Any, list_path: str, p: int, q: int, kept: int) -> S
         raise Refused(f"{q} units: the small export is the full one")
     if set(ep_a.constants) != set(ep_b.constants):
         raise Refused("the blocks hold tensor constants")
-    ins = _specs(ep_a.graph_signature.input_specs, ep_b.graph_signature.input_specs, units,
-                 kept)
+    ins = _spec_groups(ep_a.graph_signature.input_specs, ep_b.graph_signature.input_specs,
+                       units, kept)
     muts = [[s for s in ep.graph_signature.output_specs if s.kind == OutputKind.BUFFER_MUTATION]
             for ep in (ep_a, ep_b)]
     outs = _specs(*muts, units, kept)
@@ -190,7 +201,7 @@ def splice(ep_a: Any, ep_b: Any, list_path: str, p: int, q: int, kept: int) -> S
 class _Builder:
     """Emits the q-unit graph from ep_b's parts (checked by `splice`)."""
 
-    def __init__(self, ep_b: Any, units: _Units, q: int, kept: int, ins: list[list],
+    def __init__(self, ep_b: Any, units: _Units, q: int, kept: int, ins: list[list[list]],
                  parts: list[list], shifts: tuple[dict, dict]):
         self.ep_b, self.units, self.q, self.kept_units, self.ins = ep_b, units, q, kept, ins
         self.pre, self.kept, self.post = parts[0], parts[1:-1], parts[-1]
@@ -224,25 +235,25 @@ class _Builder:
         return self._emit(template, name, args, kwargs, stack_units)
 
     def _placeholders(self) -> None:
-        """Parameters and buffers: before the blocks, unit by unit, after."""
-        before, *kept, after = self.ins
-        for spec in before:
-            self._keep(self.phs[spec.arg.name])
-        for j in range(self.q):
-            made: dict[str, fx.Node] = {}
-            for i, template in enumerate(kept[-1]):
-                if j <= self.kept_units:
-                    made[template.arg.name] = self._keep(self.phs[kept[j][i].arg.name])
-                    self.specs.append(kept[j][i])
-                    continue
-                moved = _move(template, self.units, j - self.kept_units)
-                made[template.arg.name] = self._emit(self.phs[template.arg.name],
-                                                     moved.arg.name, (), {}, 0)
-                self.specs.append(moved)
-            self.unit_ph.append(made)
-        for spec in after:
-            self._keep(self.phs[spec.arg.name])
-        self.specs = [*before, *self.specs, *after]
+        """Parameters and buffers: for each kind, before the blocks, unit by unit, after."""
+        self.unit_ph = [{} for _ in range(self.q)]
+        for before, *kept, after in self.ins:
+            for spec in before:
+                self._keep(self.phs[spec.arg.name])
+                self.specs.append(spec)
+            for j in range(self.q):
+                for i, template in enumerate(kept[-1]):
+                    if j <= self.kept_units:
+                        node = self._keep(self.phs[kept[j][i].arg.name])
+                        self.specs.append(kept[j][i])
+                    else:
+                        moved = _move(template, self.units, j - self.kept_units)
+                        node = self._emit(self.phs[template.arg.name], moved.arg.name, (), {}, 0)
+                        self.specs.append(moved)
+                    self.unit_ph[j][template.arg.name] = node
+            for spec in after:
+                self._keep(self.phs[spec.arg.name])
+                self.specs.append(spec)
 
     def _keep(self, node: fx.Node, name: str | None = None) -> fx.Node:
         """`node` as ep_b has it (renamed to `name`), reading the new graph's nodes."""
@@ -253,7 +264,8 @@ class _Builder:
 
     def _lookup(self, unit: int) -> Callable[[fx.Node], fx.Node]:
         """Where the template's (or the suffix's) inputs are for unit `unit` (> kept)."""
-        prev, last = self.ins[-3], self.ins[-2]
+        prev = [s for group in self.ins for s in group[-3]]
+        last = [s for group in self.ins for s in group[-2]]
         ph_unit = {s.arg.name: (-1, last[i].arg.name) for i, s in enumerate(prev)}
         ph_unit.update({s.arg.name: (0, s.arg.name) for s in last})
 

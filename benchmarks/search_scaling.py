@@ -15,7 +15,9 @@ takes about 40 minutes for a 39B model on 64 GPUs; Meta's autoparallel about 47 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import sys
 import time
 
 import torch
@@ -45,6 +47,11 @@ def _timed_capture(model, tokens, full: bool):
 
 def capture_scaling(full: bool) -> None:
     """Capture time against depth: it grows with distinct blocks, not with layers."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("        %(message)s"))
+    logger = logging.getLogger("autohybrid.capture")   # how each capture went, and its split
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     print(f"{'layers':>6} {'blocks s':>9} {'full s':>7}  same graph")
     for layers in DEPTHS:
         model = ah.models.gpt(layers=layers, device="meta", **GPT3)

@@ -193,6 +193,35 @@ def test_two_kinds_of_block_alternating(caplog, monkeypatch):
     _assert_same_step(model, blocks, full, 32, _eager_lm)
 
 
+class NormBlock(nn.Module):
+    """A block with BatchNorm: its running statistics are buffers the graph mutates."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden)
+        self.norm = nn.BatchNorm1d(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.norm(self.fc(x).transpose(1, 2)).transpose(1, 2))
+
+
+@pytest.mark.timeout(600)
+def test_blocks_with_mutated_buffers(caplog, monkeypatch):
+    """Blocks with buffers (BatchNorm in training updates its statistics in the graph):
+    buffers lifted block by block after all parameters; the probe's fake forward leaves
+    the real statistics alone (it counted one batch before it ran on fake copies)."""
+    torch.manual_seed(0)
+    model = Stack([None] * 8)
+    model.blocks = nn.ModuleList(NormBlock(16) for _ in range(8))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    blocks, full, said = _both(model, _lm_loss, 32, caplog, monkeypatch)
+    assert "captured" in said, said
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert len(blocks.buffer_fqns) == 3 * 8
+    _assert_same_graph(blocks, full)
+    _assert_same_step(model, blocks, full, 32, _eager_lm)
+
+
 def _odd_layer() -> nn.Module:
     return Stack([3 if i == 4 else None for i in range(10)])
 
