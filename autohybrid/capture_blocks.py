@@ -150,6 +150,10 @@ def export_by_blocks(wrapper: nn.Module, args: tuple, dynamic: tuple) -> Any | N
                  type(model).__name__, MIN_UNITS)
         return None
     path, blocks = found
+    if len(blocks) < 2 * KEPT_TRIES[0] + 1:
+        log.info("full export of %s: %d blocks, as many as the smallest block capture "
+                 "exports", type(model).__name__, len(blocks))
+        return None
     list_path = f"model.{path}"
     start = time.perf_counter()
     try:

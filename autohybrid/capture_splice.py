@@ -95,7 +95,8 @@ def _cut(items: list, unit: Callable[[Any], int | None], units: int) -> list[lis
 
 
 def _key(spec: Any) -> tuple:
-    return (spec.kind, getattr(spec.arg, "name", None), spec.target, getattr(spec, "persistent", None))
+    return (spec.kind, getattr(spec.arg, "name", None), spec.target,
+            getattr(spec, "persistent", None))
 
 
 def _move(spec: Any, units: _Units, by: int, name: str | None = None) -> Any:
@@ -106,7 +107,9 @@ def _move(spec: Any, units: _Units, by: int, name: str | None = None) -> Any:
 def _spec_groups(specs_a: list, specs_b: list, units: _Units, kept: int) -> list[list[list]]:
     """`_specs` for each run of one kind (parameters, then buffers, ...): export lists all
     parameters before any buffer, so the blocks' are grouped within each kind."""
-    runs = lambda specs: [list(g) for _, g in itertools.groupby(specs, key=lambda s: s.kind)]  # noqa: E731
+    def runs(specs: list) -> list[list]:
+        return [list(g) for _, g in itertools.groupby(specs, key=lambda s: s.kind)]
+
     runs_a, runs_b = runs(specs_a), runs(specs_b)
     if [r[0].kind for r in runs_a] != [r[0].kind for r in runs_b]:
         raise Refused("the graph signature changes with the number of blocks")
@@ -300,7 +303,7 @@ class _Builder:
                 base, num = _split(t.name)
                 name = _join(base, num + (j - self.kept_units) * self.d[base])
                 self.unit_nodes[j][t] = self._copy(t, lookup, name, j - self.kept_units)
-        lookup = self._lookup(self.q - 1)  # the suffix reads unit q-1 where ep_b's read self.kept_units
+        lookup = self._lookup(self.q - 1)  # the suffix reads unit q-1 where ep_b's read kept
         for t in self.post:
             base, num = _split(t.name)
             self.env[t] = self._copy(t, lookup, _join(base, num + copies * self.e[t]), 0)
@@ -325,8 +328,8 @@ class _Builder:
                 if j <= self.kept_units and new.name != spec.arg.name:
                     raise Refused(f"buffer mutation {spec.target} is out of place in its unit")
                 results.append(new)
-                specs.append(spec if j <= self.kept_units else _move(template, self.units, j - self.kept_units,
-                                                          new.name))
+                specs.append(spec if j <= self.kept_units else
+                             _move(template, self.units, j - self.kept_units, new.name))
         for spec in [*after, *users]:
             if not isinstance(spec.arg, TensorArgument):
                 raise Refused(f"an output that is not a tensor ({spec.arg})")
