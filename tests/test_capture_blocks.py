@@ -207,7 +207,7 @@ class NormBlock(nn.Module):
 
 
 @pytest.mark.timeout(600)
-def test_blocks_with_mutated_buffers(caplog, monkeypatch):
+def test_blocks_with_buffers_batch_norm(caplog, monkeypatch):
     """Blocks with buffers (BatchNorm in training updates its statistics in the graph):
     buffers lifted block by block after all parameters; the probe's fake forward leaves
     the real statistics alone (it counted one batch before it ran on fake copies)."""
