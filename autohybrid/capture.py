@@ -1,7 +1,8 @@
 """Capture: model (+ loss) → one ATen training-IR GraphModule with lifted parameters.
 
-Owns tracing (torch.export first, torch.fx.symbolic_trace lowered through export for
-models export rejects), the roles of placeholders, which symbolic dims are batch and
+Owns tracing (torch.export first — block by block where a model repeats its blocks, see
+capture_blocks.py —, torch.fx.symbolic_trace lowered through export for models export
+rejects), the roles of placeholders, which symbolic dims are batch and
 sequence, and readable capture errors. It does not decide anything about parallelism.
 
 Example::
@@ -29,6 +30,7 @@ from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from . import capture_cache
+from .capture_blocks import export_by_blocks
 from .errors import CaptureError
 from .graph import AH_BUFFER, AH_PARAM, AH_ROLE, VAL, graph_hash, verify
 
@@ -218,7 +220,10 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
     # a model run without targets whose forward takes them (labels=...) may need them
     missing = target_kwarg(model) if not targets else None
     with context:
-        ep, method = _export_with_fallback(wrapper, model, args, dynamic, missing)
+        # a model of repeated blocks: export a few, replicate them (capture_blocks.py)
+        ep, method = export_by_blocks(wrapper, args, dynamic), "export"
+        if ep is None:
+            ep, method = _export_with_fallback(wrapper, model, args, dynamic, missing)
     cap = _from_exported(ep, model, method, len(inputs), len(targets), with_loss)
     cap.autocast = autocast
     cap.example_shapes = [tuple(t.shape) for t in args]

@@ -22,7 +22,8 @@ guess):
   attributes they name (by identity, three levels deep), global values they read;
 - the loss function's code, defaults and closure values, and the globals it reads;
 - example inputs and targets by shape, dtype and device; with_loss; autocast dtype;
-- torch's version, grad mode, default dtype and deterministic-algorithms flag.
+- torch's version, grad mode, default dtype and deterministic-algorithms flag, and the
+  capture mode (AUTOHYBRID_CAPTURE: once per block, or the full export).
 
 `AUTOHYBRID_CAPTURE_CACHE=0` switches the memo off (each capture exports afresh).
 
@@ -80,7 +81,8 @@ def capture_key(model: nn.Module, inputs: Sequence[torch.Tensor],
     no id in it is ever reused); None when something has no fingerprint."""
     walk = _Walker()
     try:
-        key = (torch.__version__, torch.is_grad_enabled(), torch.get_default_dtype(),
+        key = (torch.__version__, os.environ.get("AUTOHYBRID_CAPTURE", ""),
+               torch.is_grad_enabled(), torch.get_default_dtype(),
                torch.are_deterministic_algorithms_enabled(), with_loss, autocast,
                _tensors(inputs), _tensors(targets), walk.model(model),
                walk.callable(loss_fn, _CODE_DEPTH) if with_loss else None)
