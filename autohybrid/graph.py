@@ -12,7 +12,7 @@ import contextvars
 import hashlib
 import math
 import operator
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.fx as fx
@@ -240,6 +240,22 @@ def propagate_fake(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> None:
     for node in nodes:
         if node.op == "call_function":
             refresh_fake(node, mode)
+
+
+class NodeOrder:
+    """Positions of `gm`'s nodes, to compare them while a pass edits the graph: numbered
+    once, and again only when asked about a node added since (insertions and erasures
+    keep the other nodes' order, so their old numbers still compare them)."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.gm = gm
+        self.position: dict[fx.Node, int] = {}
+
+    def of(self, nodes: Iterable[fx.Node]) -> Callable[[fx.Node], int]:
+        """The position function, valid for comparing `nodes` with each other."""
+        if any(n not in self.position for n in nodes):
+            self.position = {n: i for i, n in enumerate(self.gm.graph.nodes)}
+        return self.position.__getitem__
 
 
 class GraphFormatError(AssertionError):

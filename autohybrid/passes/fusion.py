@@ -55,7 +55,7 @@ import torch
 import torch.fx as fx
 
 from ..cost.compute import bytes_moved, nbytes_expr
-from ..graph import AH_PASS, MODULE_STACK, STACK_TRACE, VAL, op_name
+from ..graph import AH_PASS, MODULE_STACK, STACK_TRACE, VAL, NodeOrder, op_name
 from .manager import PassContext
 from .overlap import _env, _number, is_pure
 from .recompute import checkpoint_region
@@ -326,7 +326,7 @@ def fuse(gm: fx.GraphModule, where: str = "rank", supported: Predicate | None = 
     fused = _codegen()
     env = _env(gm)
     out = []
-    positions = _Order(gm)
+    positions = NodeOrder(gm)
     for members in find_regions(gm, supported, is_reduction):
         fused_bytes, unfused_bytes = region_bytes(members)
         inputs, outputs = region_io(members)
@@ -368,7 +368,7 @@ def region_graph(members: list[fx.Node]) -> fx.Graph:
 
 
 def _replace(gm: fx.GraphModule, members: list[fx.Node], inputs: list[fx.Node],
-             outputs: list[fx.Node], key: str, positions: _Order) -> None:
+             outputs: list[fx.Node], key: str, positions: NodeOrder) -> None:
     inside = set(members)
     last = members[-1]
     users = [u for m in outputs for u in m.users if u not in inside]
@@ -396,19 +396,3 @@ def _replace(gm: fx.GraphModule, members: list[fx.Node], inputs: list[fx.Node],
         anchor = get
     for m in reversed(members):
         gm.graph.erase_node(m)
-
-
-class _Order:
-    """Positions of `gm`'s nodes, to compare them: numbered once, and again only when
-    asked about a node added since (insertions and erasures keep the others' order, so
-    old numbers still compare old nodes; a region's replacement adds a few nodes)."""
-
-    def __init__(self, gm: fx.GraphModule):
-        self.gm = gm
-        self.position: dict[fx.Node, int] = {}
-
-    def of(self, nodes: list[fx.Node]) -> Callable[[fx.Node], int]:
-        """The position function, valid for comparing `nodes` with each other."""
-        if any(n not in self.position for n in nodes):
-            self.position = {n: i for i, n in enumerate(self.gm.graph.nodes)}
-        return self.position.__getitem__
