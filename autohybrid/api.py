@@ -96,11 +96,15 @@ def make_plan(named: CapturedGraph, train: CapturedGraph | None, model: nn.Modul
     forward graph (capture.model_hashes). `calibration` (a Profile or its JSON path)
     replaces the cluster's figures with measured ones; the plan records its hash.
 
-    `executable_only=True` (ah.compile) also runs the passes: candidates are tried best
-    first, each rewritten for rank 0 on fake process groups (`trial`, by default
-    runtime/dry_run.PassTrial of the costed graph), and a candidate a pass rejects drops
-    out with the pass's reason in `plan.alternatives`. `executable_only=False` (ah.plan's
-    default) ranks without rewriting: a big model's rewrite costs as much as its capture.
+    Executable means executed: candidates are tried best first, each rewritten for rank
+    0 on fake process groups (`trial`, by default runtime/dry_run.PassTrial of the
+    costed graph), until the passes accept one, which alone is marked executable; one a
+    pass rejects drops out with the pass's reason in `plan.alternatives`.
+    `executable_only=True` (ah.compile) searches only features the runtime has, and
+    raises NotExecutableError when the passes reject every candidate that fits;
+    `executable_only=False` (ah.plan's default) also ranks features the runtime lacks
+    (such a plan is chosen untried, marked not executable with what is missing) and,
+    when the passes reject every candidate, returns the best marked with the reason.
     """
     if constraints is not None and not isinstance(constraints, Constraints):
         raise PlanError(f"constraints must be ah.Constraints, got {type(constraints).__name__}")
@@ -123,7 +127,7 @@ def make_plan(named: CapturedGraph, train: CapturedGraph | None, model: nn.Modul
         calibration_hash=profile_.hash() if profile_ is not None else None)
     if request.global_batch < 1:
         raise PlanError(f"global_batch must be a positive integer, got {global_batch!r}")
-    if executable_only and trial is None:
+    if trial is None:
         from .runtime.dry_run import PassTrial
         trial = PassTrial(costed, rank=0, example_inputs=tuple(example_inputs))
     return search(profile, cluster, request, unsupported, executable_only, trial)
@@ -137,14 +141,17 @@ def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
          calibration: Any = None) -> Plan:
     """Choose a plan without starting processes (the model may live on the meta device).
 
-    Plans with features the runtime cannot execute yet are ranked too and marked
-    (`plan.executable`, `plan.not_executable_because`); `executable_only=True` searches
-    only what `ah.compile` can run today, as it does: each candidate it would choose is
-    first rewritten for rank 0 on fake process groups, and one a pass rejects gives way
-    to the next (its reason in `plan.alternatives`). Without it nothing is rewritten
-    (for a big model a rewrite costs about as much as its capture). `calibration`: a
-    profile from `ah.calibrate` (or its JSON path) to price with this machine's measured
-    figures.
+    Executable means executed: the candidate it would choose is first rewritten for rank
+    0 on fake process groups, and one a pass rejects gives way to the next (its reason
+    in `plan.alternatives`), so `plan.executable` is True only for a plan whose passes
+    ran on this graph; alternatives that were not rewritten say "not tried"
+    (`Alternative.executable` None). Plans with features the runtime cannot execute yet
+    are ranked too and, when best, chosen without a rewrite and marked
+    (`plan.executable` False, `plan.not_executable_because`); when the passes reject
+    every candidate that fits, the best comes back marked with the pass's reason.
+    `executable_only=True` searches only what `ah.compile` can run today, as it does,
+    and raises NotExecutableError instead. `calibration`: a profile from `ah.calibrate`
+    (or its JSON path) to price with this machine's measured figures.
 
     With `example_targets` (and `loss_fn`, or None for a model that returns its loss
     given `labels=`) the plan is made on the training graph and names it, as

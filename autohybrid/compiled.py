@@ -30,6 +30,7 @@ from .capture import CapturedGraph, _WithLoss, as_tuple, canonical_names, captur
 from .cluster import Cluster
 from .errors import AutohybridError, CaptureError, PlanError, RuntimeFailure
 from .plan import Constraints, NodeSharding, Plan
+from .runtime.dry_run import PassTrial
 from .runtime.executor import Executor, check_same_plan
 from .runtime.groups import build_mesh, ensure_initialized
 from .runtime.pipeline import PipelineRunner, shared_grad_groups
@@ -89,10 +90,15 @@ class CompiledModel:
                 self._forward_captures[model.training] = named
         self.optimizer = (optimizer_factory(list(self._trained_params().values()))
                           if optimizer_factory and self.materializer is None else None)
+        #: the search's trial of rank 0, whose program of the chosen plan is this rank's
+        #: when the passes build the same for both (dry_run.same_program): not built twice
+        self._trial: PassTrial | None = None
         if plan is None:
+            self._trial = PassTrial(self._train or named, rank=0,
+                                    example_inputs=self.example_inputs, keep=True)
             plan = make_plan(named, self._train, model, cluster, self.example_inputs,
                              global_batch, autocast, constraints, optimizer_kind(self.optimizer),
-                             executable_only=True)
+                             executable_only=True, trial=self._trial)
         else:  # a plan made without targets names the forward graph: captured if so
             forward = lambda: capture(model, self.example_inputs, with_loss=False)  # noqa: E731
             check_plan_fits_model(plan, named, cluster,
@@ -120,6 +126,7 @@ class CompiledModel:
         elif plan.mesh.tp > 1 or plan.mesh.pp > 1:
             # shards and stages from the forward graph until the first train_step
             self._rewrite(self._forward_kind(), self._forward_capture())
+        self._trial = None  # (its kept program was taken or is not this rank's)
         self._layout_from = next(iter(self.notes), None)
         self._build_state(self.notes.get(self._layout_from, {}), named)
         if optimizer_factory and (self.sharded is not None or self._owned is not None
@@ -350,31 +357,41 @@ class CompiledModel:
                 "microbatch (Constraints(num_microbatches=1))")
 
     def _rewrite(self, kind: str, cap: CapturedGraph) -> CapturedGraph:
-        """Run the passes on `cap`'s graph; the result is this rank's program for `kind`."""
-        ctx = passes_mod.PassContext(plan=self._pass_plan(cap), rank=self.rank,
-                                     coords=self.coords,
+        """Run the passes on `cap`'s graph; the result is this rank's program for `kind`
+        (the search's trial built it already when it is the trial rank's)."""
+        plan = self._pass_plan(cap)
+        kept = self._trial.program(cap, plan, self.rank) if self._trial is not None else None
+        if kept is not None:
+            gm, notes = kept
+        else:
+            gm, notes = self._run_passes(cap, plan)
+        if self.materializer is not None:  # captured on meta, runs on this device
+            retarget_device(gm, self.device)
+            for stage in getattr(notes.get("pipeline"), "stages", ()):
+                retarget_device(stage.gm, self.device)
+        # the layout made from a forward graph gives way to the training graph's
+        adopt = cap.with_loss and self._layout_from not in (None, "train")
+        if self.sharded is not None and not adopt:
+            self.sharded.check_same(notes.get("param_shards", {}), kind)
+        outputs = list(cap.user_outputs)
+        if cap.with_loss:  # global_loss appended the denominator as the last output
+            outputs.append(len(cap.mutated_buffers) + len(cap.user_outputs))
+        program = dataclasses.replace(cap, gm=gm, user_outputs=outputs)
+        if adopt:
+            self._adopt_train_layout(notes)
+        self.graphs[kind], self.notes[kind], self.programs[kind] = gm, notes, program
+        return program
+
+    def _run_passes(self, cap: CapturedGraph, plan: Plan
+                    ) -> tuple[fx.GraphModule, dict[str, Any]]:
+        ctx = passes_mod.PassContext(plan=plan, rank=self.rank, coords=self.coords,
                                      graph_kind="train" if cap.with_loss else "forward")
         if cap.with_loss:
             ctx.notes["loss_output_index"] = cap.user_outputs[0]
         # under mixed precision the passes' fake values follow autocast, as the graph runs
         with cap.autocast_context(self.example_inputs):
             gm = passes_mod.run_passes(cap.gm, ctx, passes_mod.passes_for(ctx.graph_kind))
-        if self.materializer is not None:  # captured on meta, runs on this device
-            retarget_device(gm, self.device)
-            for stage in getattr(ctx.notes.get("pipeline"), "stages", ()):
-                retarget_device(stage.gm, self.device)
-        # the layout made from a forward graph gives way to the training graph's
-        adopt = cap.with_loss and self._layout_from not in (None, "train")
-        if self.sharded is not None and not adopt:
-            self.sharded.check_same(ctx.notes.get("param_shards", {}), kind)
-        outputs = list(cap.user_outputs)
-        if cap.with_loss:  # global_loss appended the denominator as the last output
-            outputs.append(len(cap.mutated_buffers) + len(cap.user_outputs))
-        program = dataclasses.replace(cap, gm=gm, user_outputs=outputs)
-        if adopt:
-            self._adopt_train_layout(ctx.notes)
-        self.graphs[kind], self.notes[kind], self.programs[kind] = gm, ctx.notes, program
-        return program
+        return gm, ctx.notes
 
     def _inputs(self, inputs: Any, what: str, expected: int | None) -> tuple:
         tensors = as_tuple(inputs)

@@ -7,10 +7,12 @@ the checks that a graph still has the format. It imports nothing else from autoh
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import math
 import operator
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.fx as fx
@@ -139,11 +141,83 @@ def fake_mode(gm: fx.GraphModule):
     return detect_fake_mode(vals)
 
 
+#: the values `refresh_fake` computed inside `shared_fake_values()`, by op and inputs
+_SHARED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("autohybrid_fake_values",
+                                                                     default=None)
+
+
+@contextlib.contextmanager
+def shared_fake_values() -> Iterator[None]:
+    """Within it, `refresh_fake` gives a node the value computed for an earlier node of
+    the same op on inputs of the same metadata (shape, strides, offset, dtype, device,
+    requires_grad; symbolic sizes by expression; other arguments by value), under the
+    same fake mode, grad mode and autocast state, instead of dispatching again.
+
+    Why: a pass recomputes the fake value of most nodes it touches, and on symbolic
+    sizes one fake dispatch costs milliseconds (sympy); a model of 96 identical blocks
+    asks the same question 96 times. A fake op's result depends on nothing else, so
+    the shared value is what the dispatch would give, except its identity (a view
+    shares the first node's input's storage); no pass reads fake storages. Not shared:
+    mutating ops, ops other than OpOverloads (getitem is cheap) and results with
+    data-dependent (unbacked) sizes, which are new symbols per node."""
+    token = _SHARED.set({})
+    try:
+        yield
+    finally:
+        _SHARED.reset(token)
+
+
 def refresh_fake(node: fx.Node, mode) -> None:
-    """Recompute `meta["val"]` of call_function `node` from its inputs' values."""
+    """Recompute `meta["val"]` of call_function `node` from its inputs' values (shared
+    with an identical earlier computation inside `shared_fake_values()`)."""
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get(VAL))
+    shared = _SHARED.get()
+    key = _fake_key(node.target, args, kwargs, mode) if shared is not None else None
+    if key is not None and key in shared:
+        node.meta[VAL] = shared[key]
+        return
     with mode:
         node.meta[VAL] = node.target(*args, **kwargs)
+    if key is not None:
+        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+        if not free_unbacked_symbols(node.meta[VAL]):
+            shared[key] = node.meta[VAL]
+
+
+def _fake_key(target: Any, args: Any, kwargs: Any, mode) -> tuple | None:
+    """What an OpOverload's fake result depends on (None: not shared)."""
+    if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
+        return None
+    try:
+        frozen = _frozen((args, kwargs))
+    except TypeError:  # an argument that is not hashable: not shared
+        return None
+    state = (torch.is_grad_enabled(),
+             *((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+               for d in ("cpu", "cuda")))
+    return (target, id(mode), state, frozen)
+
+
+def _frozen(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return ("T", _sizes(obj.shape), _sizes(obj.stride()), _size(obj.storage_offset()),
+                obj.dtype, obj.device, obj.requires_grad, obj.layout)
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, *(_frozen(o) for o in obj))
+    if isinstance(obj, dict):
+        return ("dict", *((k, _frozen(v)) for k, v in obj.items()))
+    if isinstance(obj, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return ("S", type(obj).__name__, obj.node.expr)
+    hash(obj)
+    return (type(obj).__name__, obj)
+
+
+def _size(s: Any) -> Any:
+    return s.node.expr if isinstance(s, torch.SymInt) else s
+
+
+def _sizes(sizes: Iterable) -> tuple:
+    return tuple(_size(s) for s in sizes)
 
 
 def new_node(graph: fx.Graph, op: Any, args: Iterable, kwargs: dict | None, *,
@@ -167,6 +241,22 @@ def propagate_fake(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> None:
     for node in nodes:
         if node.op == "call_function":
             refresh_fake(node, mode)
+
+
+class NodeOrder:
+    """Positions of `gm`'s nodes, to compare them while a pass edits the graph: numbered
+    once, and again only when asked about a node added since (insertions and erasures
+    keep the other nodes' order, so their old numbers still compare them)."""
+
+    def __init__(self, gm: fx.GraphModule):
+        self.gm = gm
+        self.position: dict[fx.Node, int] = {}
+
+    def of(self, nodes: Iterable[fx.Node]) -> Callable[[fx.Node], int]:
+        """The position function, valid for comparing `nodes` with each other."""
+        if any(n not in self.position for n in nodes):
+            self.position = {n: i for i, n in enumerate(self.gm.graph.nodes)}
+        return self.position.__getitem__
 
 
 class GraphFormatError(AssertionError):

@@ -131,13 +131,17 @@ class NodeSharding:
 
 @dataclass(frozen=True)
 class Alternative:
-    """A runner-up plan: its shape, its prediction, and why it lost to the chosen one."""
+    """A runner-up plan: its shape, its prediction, and why it lost to the chosen one.
+
+    `executable` is False when it cannot run (a feature the runtime lacks, or its passes
+    rejected it: the reason says which) and None when its passes were not run ("not
+    tried"); only the chosen plan is known to run (`Plan.executable`)."""
 
     summary: str
     step_time_s: float
     memory_per_rank_bytes: int
     fits: bool
-    executable: bool
+    executable: bool | None
     reason: str
 
 
@@ -175,6 +179,8 @@ class Plan:
     shardings: tuple[NodeSharding, ...] = ()
     calibration_hash: str | None = None
     model_ref: str | None = None
+    #: the passes ran on the graph this plan names (one rank, fake process groups) and
+    #: accepted it, and the runtime has every feature it uses; else why not
     executable: bool = True
     not_executable_because: tuple[str, ...] = ()
     predicted: Prediction = field(default_factory=Prediction)

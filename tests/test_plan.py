@@ -275,8 +275,11 @@ def test_alternatives_carry_reasons(tiny_plan: Plan) -> None:
         if not alt.fits:
             assert alt.reason.startswith("does not fit")
         else:
-            if not alt.executable:
-                assert "; not executable yet: " in alt.reason
+            if alt.executable is None:  # its passes were not run
+                assert alt.reason.endswith("; not tried by the passes")
+            elif not alt.executable:
+                assert ("; not executable yet: " in alt.reason
+                        or "; rejected by the passes: " in alt.reason)
             delta = float(re.match(r"([+-][0-9.]+) % step time", alt.reason).group(1))
             assert delta == pytest.approx((alt.step_time_s / best - 1) * 100, abs=0.06)
             assert alt.step_time_s >= best

@@ -1,7 +1,9 @@
-"""Executable means executed: the search `ah.compile` runs (executable_only=True) builds a
-candidate's program for one rank on fake process groups before choosing it
+"""Executable means executed: the search of `ah.plan` (by default too) and `ah.compile`
+builds a candidate's program for one rank on fake process groups before choosing it
 (runtime/dry_run.PassTrial), tries the next candidate when a pass rejects one, and keeps
-the pass's reason in `plan.alternatives`. No processes: the trial binds each mesh axis to
+the pass's reason in `plan.alternatives`; only the chosen plan is marked executable, and
+alternatives whose passes were not run say so. `ah.compile` keeps the trial's program
+for the ranks it is the program of. No processes: the trial binds each mesh axis to
 torch's standalone FakeProcessGroup, also inside a live job.
 """
 from __future__ import annotations
@@ -17,8 +19,8 @@ from autohybrid.api import make_plan
 from autohybrid.capture import capture
 from autohybrid.errors import AutohybridError
 from autohybrid.models.coverage import RNNLM, lm_loss
-from autohybrid.plan import Mesh
-from autohybrid.runtime.dry_run import PassTrial, rewrite
+from autohybrid.plan import Mesh, Plan
+from autohybrid.runtime.dry_run import PassTrial, rewrite, same_program
 
 
 def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -29,6 +31,13 @@ def _gpt_tiny():
     model = models.preset("gpt-tiny")
     inputs, targets = models.example_batch("gpt-tiny", 8)
     return model, inputs, targets
+
+
+def _untried(model, cluster, inputs, loss_fn, targets) -> Plan:
+    """The cost model's choice: a trial that accepts every plan (nothing rewritten)."""
+    train = capture(model, inputs, loss_fn, targets)
+    return make_plan(train, train, model, cluster, inputs, None, None, None, "adam",
+                     executable_only=False, trial=lambda plan: None)
 
 
 def _pinned(mesh: Mesh) -> ah.Constraints:
@@ -66,9 +75,9 @@ def test_a_candidate_a_pass_rejects_gives_way_to_the_next(monkeypatch) -> None:
     # the reason is typed: the pass and the node it failed at, then torch's error
     assert "pass 'tensor_parallel' failed at node" in first.reason
     assert "RuntimeError: boom" in first.reason
-    # ah.plan's default ranks without rewriting (cheap for big models): unchanged
-    assert ah.plan(model, cluster, inputs, loss_fn=_loss, example_targets=targets).mesh \
-        == favourite
+    # ah.plan's default tries its choice too: the rejected favourite gives way there too
+    default = ah.plan(model, cluster, inputs, loss_fn=_loss, example_targets=targets)
+    assert default.mesh == plan.mesh and default.executable
     # pinned to the rejected mesh: refused before anything runs, with the same reason
     with pytest.raises(ah.NotExecutableError, match="tensor_parallel.*boom"):
         ah.plan(model, cluster, inputs, loss_fn=_loss, example_targets=targets,
@@ -110,7 +119,7 @@ def test_a_loss_that_mixes_samples_is_planned_without_splitting_the_batch() -> N
     y = torch.randn(8, 8)
     mixing = lambda o, t: ((o - t) ** 2).mean(0).sum()  # noqa: E731
     cluster = ah.Cluster.local(4)
-    favourite = ah.plan(model, cluster, (x,), loss_fn=mixing, example_targets=y)
+    favourite = _untried(model, cluster, (x,), mixing, y)
     assert favourite.mesh.dp * favourite.num_microbatches > 1  # the cost model's choice
     plan = ah.plan(model, cluster, (x,), loss_fn=mixing, example_targets=y,
                    executable_only=True)
@@ -144,3 +153,97 @@ def test_the_trial_runs_inside_a_live_job_and_restores_the_axis_groups() -> None
     finally:
         ops.groups.restore(before)
         dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_a_plan_marked_executable_is_one_its_passes_accept() -> None:
+    """Once `ah.plan`'s default rewrote nothing: it marked the cost model's favourite
+    executable (every feature is in the runtime) although global_loss rejects it (the
+    loss mixes the samples of a batch, the plan splits the batch). Now the plan it marks
+    executable is one whose passes ran on this graph, and the untried alternatives do
+    not claim to run."""
+    torch.manual_seed(0)
+    model = models.preset("mlp-tiny")
+    (x,), _ = models.example_batch("mlp-tiny", 8)
+    y = torch.randn(8, 8)
+    mixing = lambda o, t: ((o - t) ** 2).mean(0).sum()  # noqa: E731
+    plan = ah.plan(model, ah.Cluster.local(4), (x,), loss_fn=mixing, example_targets=y)
+    assert plan.executable and not plan.not_executable_because
+    rewrite(capture(model, (x,), mixing, y), plan, 0)  # executable means executed
+    assert plan.mesh.dp == 1 and plan.num_microbatches == 1
+    for alt in plan.alternatives:
+        if "rejected by the passes" in alt.reason:
+            assert alt.executable is False and "pass 'global_loss'" in alt.reason
+        elif alt.fits and "not executable yet" not in alt.reason:
+            assert alt.executable is None and "not tried by the passes" in alt.reason
+    assert any(a.executable is None for a in plan.alternatives)
+    assert Plan.from_json(plan.to_json()) == plan   # None survives the JSON
+
+
+@pytest.mark.timeout(120)
+def test_when_the_passes_reject_every_plan_the_default_marks_the_best(monkeypatch) -> None:
+    """`ah.plan` ranks and marks (DESIGN.md): when no candidate passes, the default
+    returns the best, not executable, with the pass's reason; executable_only raises."""
+    model, inputs, targets = _gpt_tiny()
+    cluster = ah.Cluster.local(2)
+
+    def refuse(gm, ctx):
+        raise ah.PlanError("this loss cannot be computed here (test)")
+
+    monkeypatch.setitem(passes.REGISTRY, "global_loss", refuse)
+    plan = ah.plan(model, cluster, inputs, loss_fn=_loss, example_targets=targets)
+    assert not plan.executable
+    assert any("rejected by the passes: pass 'global_loss'" in r and "(test)" in r
+               for r in plan.not_executable_because), plan.not_executable_because
+    assert plan.mesh == _untried(model, cluster, inputs, _loss, targets).mesh
+    assert all(a.summary != plan.summary() for a in plan.alternatives)
+    with pytest.raises(ah.NotExecutableError, match="reject every candidate.*global_loss"):
+        ah.plan(model, cluster, inputs, loss_fn=_loss, example_targets=targets,
+                executable_only=True)
+
+
+def _program_text(gm, notes) -> str:
+    stages = getattr(notes.get("pipeline"), "stages", ())
+    texts = [g.print_readable(print_output=False) for g in (gm, *(st.gm for st in stages))]
+    shards = sorted((k, repr(v)) for k, v in notes.get("param_shards", {}).items())
+    return "\n".join(texts) + repr(shards)
+
+
+@pytest.mark.timeout(180)
+def test_ranks_with_the_same_tp_coordinate_get_the_same_program() -> None:
+    """ah.compile gives a rank the trial's program (built for rank 0) when
+    dry_run.same_program says the passes build the same for both: it must hold on every
+    rank of a plan using every axis (pp × dp × tp, ZeRO-3, sp)."""
+    model, inputs, targets = _gpt_tiny()
+    train = capture(model, inputs, _loss, targets)
+    plan = ah.plan(model, ah.Cluster.local(8), inputs, loss_fn=_loss, example_targets=targets,
+                   constraints=ah.Constraints(pp=2, dp=2, tp=2, sp=True, zero=3,
+                                              num_microbatches=2))
+    texts = {rank: _program_text(*rewrite(train, plan, rank)[:2]) for rank in range(8)}
+    for rank in range(8):
+        for other in range(rank + 1, 8):
+            assert (texts[rank] == texts[other]) == same_program(plan, rank, other), \
+                (rank, other)
+
+
+@pytest.mark.timeout(120)
+def test_compile_keeps_the_trials_program_instead_of_rewriting_again(monkeypatch) -> None:
+    """The search's trial rewrote rank 0's program of the chosen plan: ah.compile runs the
+    passes once, and its program is the one a fresh rewrite gives."""
+    model, inputs, targets = _gpt_tiny()
+    runs = []
+    real = passes.run_passes
+
+    def counted(gm, ctx, chosen):
+        runs.append(ctx.plan.mesh)
+        return real(gm, ctx, chosen)
+
+    monkeypatch.setattr(passes, "run_passes", counted)
+    compiled = ah.compile(model, ah.Cluster.local(1), inputs, loss_fn=_loss,
+                          example_targets=targets)
+    assert len(runs) == 1
+    fresh, _, _, _ = rewrite(compiled._train, compiled.plan, 0)
+    assert compiled.graphs["train"].print_readable(print_output=False) == \
+        fresh.print_readable(print_output=False)
+    loss = compiled.train_step(inputs, targets)
+    assert torch.isfinite(loss)

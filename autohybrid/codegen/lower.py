@@ -263,16 +263,18 @@ def _lower_node(node: fx.Node, env: dict, it: list) -> Value:
     return REDUCTIONS[node.target][0](*args, **kwargs)
 
 
-def lower(gm: fx.GraphModule) -> Lowered:
-    """The kernel program of region `gm` (see the module docstring)."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+def lower(gm: fx.GraphModule | fx.Graph) -> Lowered:
+    """The kernel program of region `gm` (see the module docstring); its graph alone
+    will do (passes/fusion.py asks before it builds a module)."""
+    graph = gm if isinstance(gm, fx.Graph) else gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for n in placeholders:
         if _val(n) is None:
             raise UnsupportedRegion(f"fused region input {n.name} has no meta['val'] tensor")
     it = iteration_shape([list(_val(n).shape) for n in placeholders])
     env = {n: ir.load(i, FULL, _val(n).dtype) for i, n in enumerate(placeholders)}
     ops = []
-    for node in gm.graph.nodes:
+    for node in graph.nodes:
         if node.op == "call_function":
             if not supported(node):
                 _fail(node, "not an op the code generator takes (see ops.fused.supported)")
@@ -298,7 +300,7 @@ def lower(gm: fx.GraphModule) -> Lowered:
                    tuple(_val(n).dtype for n in placeholders), tuple(ops))
 
 
-def structure(gm: fx.GraphModule) -> str:
+def structure(gm: fx.GraphModule | fx.Graph) -> str:
     """The region's structure as text: ops, wiring, constant arguments, dtypes, static
     sizes (symbolic sizes as `s`); the same on every process for the same region."""
     names: dict[fx.Node, str] = {}
@@ -313,7 +315,8 @@ def structure(gm: fx.GraphModule) -> str:
         return str(a)
 
     lines = []
-    for i, n in enumerate(gm.graph.nodes):
+    graph = gm if isinstance(gm, fx.Graph) else gm.graph
+    for i, n in enumerate(graph.nodes):
         names[n] = f"%{i}"
         v = _val(n)
         meta = "" if v is None else f"{v.dtype}{[s if isinstance(s, int) else 's' for s in v.shape]}"

@@ -90,17 +90,21 @@ class _Region:
 _REGIONS: dict[str, _Region] = {}
 
 
-def region_key(gm: fx.GraphModule) -> str:
+def region_key(gm: fx.GraphModule | fx.Graph) -> str:
     return "fr_" + hashlib.sha256(structure(gm).encode()).hexdigest()[:16]
 
 
-def register_region(gm: fx.GraphModule) -> str:
+def register_region(gm: fx.GraphModule | fx.Graph) -> str:
     """Generate (or find) the kernels of region `gm`; its key. Raises UnsupportedRegion
-    (naming the node) when the region does not fit the code generator."""
+    (naming the node) when the region does not fit the code generator. A region given
+    as a Graph becomes a GraphModule (which runs it eagerly on CPU) only when its key is
+    new: a model's repeated blocks register the same few regions many times."""
     key = region_key(gm)
     if key in _REGIONS:
         _dump(_REGIONS[key].info, gm)
         return key
+    if isinstance(gm, fx.Graph):
+        gm = fx.GraphModule(torch.nn.Module(), gm, class_name="FusedRegion")
     lowered = lower(gm)
     backward = autodiff.backward(lowered.program)
     rank, name = lowered.rank, key
@@ -126,9 +130,11 @@ def kernels() -> list[KernelInfo]:
     return [r.info for r in _REGIONS.values()]
 
 
-def _dump(info: KernelInfo, gm: fx.GraphModule) -> None:
+def _dump(info: KernelInfo, gm: fx.GraphModule | fx.Graph) -> None:
     if os.environ.get("AUTOHYBRID_DEBUG", "") in ("", "0"):
         return
+    if isinstance(gm, fx.Graph):
+        gm = fx.GraphModule(torch.nn.Module(), gm, class_name="FusedRegion")
     root = Path(os.environ.get("AUTOHYBRID_DUMP_DIR", "autohybrid_dump")) / "kernels"
     root.mkdir(parents=True, exist_ok=True)
     (root / f"{info.key}.py").write_text(Path(info.path).read_text())

@@ -32,7 +32,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..graph import VAL, fake_mode, new_node, op_name
+from ..graph import VAL, NodeOrder, fake_mode, new_node, op_name
 from ..ops.collective_matmul import cm_gather_linear_op, cm_linear_reduce_scatter_op
 from ..search.layers import segment
 from .manager import PassContext
@@ -51,12 +51,13 @@ def collective_matmul(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         return gm
     layer_of = {node: layer.name for layer in segment(gm) for node in layer.nodes}
     mode = fake_mode(gm)
+    positions = NodeOrder(gm)
     rewritten = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node not in layer_of:  # (or erased meanwhile)
             continue
         if node.target is _SP_GATHER:
-            rewritten += _gather_linears(gm, node, chunks, layer_of, mode)
+            rewritten += _gather_linears(gm, node, chunks, layer_of, mode, positions)
         elif op_name(node) == _LINEAR:
             rewritten += _linear_scatter(gm, node, chunks, layer_of, mode)
     ctx.notes["collective_matmuls"] = rewritten
@@ -74,7 +75,7 @@ def _linear_args(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None]:
 
 
 def _gather_linears(gm: fx.GraphModule, gather: fx.Node, chunks: dict[str, int],
-                    layer_of: dict[fx.Node, str], mode) -> int:
+                    layer_of: dict[fx.Node, str], mode, positions: NodeOrder) -> int:
     x, dim = gather.args[0], gather.args[1]
     users = list(gather.users)
     if not users or any(op_name(u) != _LINEAR or _linear_args(u)[0] is not gather
@@ -83,11 +84,12 @@ def _gather_linears(gm: fx.GraphModule, gather: fx.Node, chunks: dict[str, int],
     k = chunks.get(layer_of.get(users[0], ""))
     if not k or dim % x.meta[VAL].dim() == x.meta[VAL].dim() - 1:
         return 0
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    users.sort(key=order.__getitem__)
+    order = positions.of([*users, *(a for u in users for a in _linear_args(u)[1:]
+                                    if isinstance(a, fx.Node))])
+    users.sort(key=order)
     parts = [_linear_args(u) for u in users]
     inputs = [a for _, w, b in parts for a in (w, b) if a is not None]
-    if any(order[a] > order[users[0]] for a in inputs) or \
+    if any(order(a) > order(users[0]) for a in inputs) or \
             not _dtypes_agree(x, *inputs, *users):
         return 0
     with gm.graph.inserting_before(users[0]):

@@ -55,7 +55,7 @@ import torch
 import torch.fx as fx
 
 from ..cost.compute import bytes_moved, nbytes_expr
-from ..graph import AH_PASS, MODULE_STACK, STACK_TRACE, VAL, op_name
+from ..graph import AH_PASS, MODULE_STACK, STACK_TRACE, VAL, NodeOrder, op_name
 from .manager import PassContext
 from .overlap import _env, _number, is_pure
 from .recompute import checkpoint_region
@@ -118,9 +118,11 @@ def _fuse_with_submodules(gm: fx.GraphModule, where: str, done: set[int]) -> lis
             sub = getattr(gm, name)
             if id(sub) not in done:
                 done.add(id(sub))
-                out += fuse(sub, f"{where}/{name}")
-    out += fuse(gm, where)
-    return out
+                out += fuse(sub, f"{where}/{name}", recompile=False)
+    mine = fuse(gm, where, recompile=False)
+    if out or mine:
+        gm.recompile()  # with its submodules (GraphModule.recompile): each once
+    return out + mine
 
 
 # ------------------------------------------------------------------ what may be fused
@@ -277,7 +279,7 @@ def lowers(members: list[fx.Node]) -> bool:
     """Whether the code generator lowers `members` to one kernel (codegen/lower.py)."""
     from ..codegen.lower import lower
     try:
-        lower(extract_region(members))
+        lower(region_graph(members))
     except _CANNOT_GENERATE as exc:
         log.debug("fusion: %s do not lower: %s", [m.name for m in members], exc)
         return False
@@ -317,32 +319,42 @@ def saves_bytes(members: list[fx.Node], env: dict) -> bool:
 # ------------------------------------------------------------------ the rewrite
 
 def fuse(gm: fx.GraphModule, where: str = "rank", supported: Predicate | None = None,
-         is_reduction: Predicate | None = None) -> list[FusedRegion]:
-    """Replace every region `find_regions` picks in `gm` by one fused-kernel call."""
+         is_reduction: Predicate | None = None, *, recompile: bool = True
+         ) -> list[FusedRegion]:
+    """Replace every region `find_regions` picks in `gm` by one fused-kernel call
+    (`recompile=False`: the caller recompiles `gm`, e.g. with the module it is part of)."""
     fused = _codegen()
     env = _env(gm)
     out = []
+    positions = NodeOrder(gm)
     for members in find_regions(gm, supported, is_reduction):
         fused_bytes, unfused_bytes = region_bytes(members)
         inputs, outputs = region_io(members)
         try:
-            key = fused.register_region(extract_region(members))
+            key = fused.register_region(region_graph(members))
         except _CANNOT_GENERATE as exc:     # (`lowers` said yes: its backward failed)
             log.info("fusion: region %s left unfused: %s", [m.name for m in members], exc)
             continue
-        _replace(gm, members, inputs, outputs, key)
+        _replace(gm, members, inputs, outputs, key, positions)
         out.append(FusedRegion(where, key, tuple(op_name(m) for m in members),
                                tuple(m.name for m in members), len(inputs), len(outputs),
                                int(_number(fused_bytes, env)), int(_number(unfused_bytes, env))))
     if out:
         gm.graph.lint()
-        gm.recompile()
+        if recompile:
+            gm.recompile()
     return out
 
 
 def extract_region(members: list[fx.Node]) -> fx.GraphModule:
     """The region as a standalone GraphModule: a placeholder per value it reads (its fake
     value in meta), its nodes with their meta, a tuple of the values used after it."""
+    return fx.GraphModule(torch.nn.Module(), region_graph(members), class_name="FusedRegion")
+
+
+def region_graph(members: list[fx.Node]) -> fx.Graph:
+    """`extract_region`'s graph, without the module (whose code generation costs more
+    than the graph: the pass asks the code generator about every region it grows)."""
     inputs, outputs = region_io(members)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -352,16 +364,17 @@ def extract_region(members: list[fx.Node]) -> fx.GraphModule:
     for m in members:
         env[m] = graph.node_copy(m, lambda a: env[a])
     graph.output(tuple(env[m] for m in outputs))
-    return fx.GraphModule(torch.nn.Module(), graph, class_name="FusedRegion")
+    return graph
 
 
 def _replace(gm: fx.GraphModule, members: list[fx.Node], inputs: list[fx.Node],
-             outputs: list[fx.Node], key: str) -> None:
+             outputs: list[fx.Node], key: str, positions: NodeOrder) -> None:
     inside = set(members)
     last = members[-1]
     users = [u for m in outputs for u in m.users if u not in inside]
-    first_use = min(users, key=_order(gm)) if users else None
-    if first_use is not None and _order(gm)(first_use) < _order(gm)(last):
+    order = positions.of([*users, last])
+    first_use = min(users, key=order) if users else None
+    if first_use is not None and order(first_use) < order(last):
         context = gm.graph.inserting_before(first_use)
     else:
         context = gm.graph.inserting_after(last)
@@ -383,8 +396,3 @@ def _replace(gm: fx.GraphModule, members: list[fx.Node], inputs: list[fx.Node],
         anchor = get
     for m in reversed(members):
         gm.graph.erase_node(m)
-
-
-def _order(gm: fx.GraphModule) -> Callable[[fx.Node], int]:
-    position = {n: i for i, n in enumerate(gm.graph.nodes)}
-    return position.__getitem__

@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from ..blame import PassFailure
 from ..errors import AutohybridError
-from ..graph import verify
+from ..graph import shared_fake_values, verify
 from ..plan import Plan
 
 log = logging.getLogger("autohybrid.passes")
@@ -81,7 +81,15 @@ def dump_dir(rank: int) -> Path | None:
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext,
                passes: list[tuple[str, Pass]]) -> fx.GraphModule:
-    """Apply `passes` in order to a copy of `gm`; the captured graph is never modified."""
+    """Apply `passes` in order to a copy of `gm`; the captured graph is never modified.
+    Fake values recomputed for identical ops on identical inputs are computed once
+    (graph.shared_fake_values: a model's repeated blocks)."""
+    with shared_fake_values():
+        return _run_passes(gm, ctx, passes)
+
+
+def _run_passes(gm: fx.GraphModule, ctx: PassContext,
+                passes: list[tuple[str, Pass]]) -> fx.GraphModule:
     gm = copy_graph_module(gm)
     off = disabled_passes()
     dump = dump_dir(ctx.rank)
@@ -102,7 +110,6 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext,
         if not isinstance(result, fx.GraphModule):
             raise TypeError(f"pass {name!r} returned {type(result).__name__}, not a GraphModule")
         gm = result
-        gm.recompile()
         verify(gm, name)
         log.info("pass %s: %d → %d nodes", name, before, len(gm.graph.nodes))
         if ctx.snapshots is not None:
@@ -110,4 +117,5 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext,
         if dump is not None:
             text = gm.print_readable(print_output=False)
             (dump / f"{index:02d}_{ctx.graph_kind}_{name}.py").write_text(text)
+    gm.recompile()  # once: no pass runs the module, and its code is a function of the graph
     return gm

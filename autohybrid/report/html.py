@@ -249,8 +249,9 @@ def _alternatives(plan: Plan) -> str:
     rows = [(plan.summary().split(" |")[0], fmt_time(plan.predicted.step_time_s),
              fmt_bytes(plan.predicted.memory_per_rank_bytes), "yes",
              "yes" if plan.executable else "no", "chosen")]
+    runs = {True: "yes", False: "no", None: "not tried"}  # None: its passes were not run
     rows += [(a.summary, fmt_time(a.step_time_s), fmt_bytes(a.memory_per_rank_bytes),
-              "yes" if a.fits else "no", "yes" if a.executable else "no", a.reason)
+              "yes" if a.fits else "no", runs[a.executable], a.reason)
              for a in plan.alternatives]
     return _section("alternatives", "Alternatives and why they lost",
                     _table(("plan", "step time", "memory / rank", "fits", "executable",

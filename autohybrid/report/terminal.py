@@ -198,7 +198,9 @@ def alternatives_table(plan: Plan) -> Table:
     return table
 
 
-def _yes_no(flag: bool) -> Text:
+def _yes_no(flag: bool | None) -> Text:
+    if flag is None:  # an alternative whose passes were not run
+        return Text("not tried", style="yellow")
     return Text("yes", style="green") if flag else Text("no", style="red")
 
 

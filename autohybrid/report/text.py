@@ -38,7 +38,7 @@ def format_plan(plan: Plan) -> str:
                      f"stages start at {', '.join(plan.stage_boundaries)}; predicted bubble "
                      f"{p.bubble_fraction * 100:.1f} % of the step")
     if not plan.executable:
-        lines.append("  NOT EXECUTABLE YET: " + "; ".join(plan.not_executable_because))
+        lines.append("  NOT EXECUTABLE: " + "; ".join(plan.not_executable_because))
     if plan.alternatives:
         lines.append("  alternatives (why they lost):")
         for alt in plan.alternatives:

@@ -10,10 +10,19 @@ each, where they price differently).
 Pruning: for each ZeRO stage, more recomputation is only tried when less does not fit
 (it only adds time); layer times and the stage split are cached per microbatch shape. Candidates the
 runtime cannot execute are priced too (so `ah.plan` can show them) and marked;
-`ah.compile` passes `executable_only=True`, and with it a trial: executable means
-executed, so the best candidates are rewritten for one rank on fake process groups
-(runtime/dry_run.PassTrial), best first, until the passes accept one; those they reject
-lose with the pass's reason (`plan.alternatives`).
+`ah.compile` passes `executable_only=True` to search only the others.
+
+Executable means executed: `Plan.executable` is True only for a plan whose passes ran on
+this graph. The search is given a trial (runtime/dry_run.PassTrial: one rank rewritten on
+fake process groups) and rewrites the best candidates, best first, until the passes
+accept one; those they reject lose with the pass's reason (`plan.alternatives`). A
+candidate needing a feature the runtime lacks (only without `executable_only`) is not
+rewritten: it is chosen when it is the best, marked not executable with the missing
+features. When the passes reject every candidate that fits, `executable_only` raises
+NotExecutableError; without it the best candidate is returned, marked not executable
+with the pass's reason. Without a trial nothing runs, and the plan says so. An
+alternative's `executable` is False when it cannot run (a missing feature, a pass's
+rejection) and None when its passes were not run (its reason says "not tried").
 """
 from __future__ import annotations
 
@@ -96,13 +105,16 @@ class Candidate:
 def search(profile: ModelProfile, cluster, request: PlanRequest,
            unsupported: Callable[[Plan], list[str]], executable_only: bool,
            trial: Callable[[Plan], str | None] | None = None) -> Plan:
-    """The fastest fitting plan (executable ones only when asked), with alternatives.
+    """The fastest fitting plan the passes accept (executable ones only when asked),
+    with alternatives.
 
     `trial(plan)` (None, or why not) says whether the passes accept the graph under a
-    plan (runtime/dry_run.PassTrial: one rank rewritten on fake process groups). With
-    it, candidates are tried best first and the first one accepted is chosen; the
-    faster ones it rejected stay in `plan.alternatives` with the pass's reason, and
-    NotExecutableError lists the reasons when it rejects every candidate that fits."""
+    plan (runtime/dry_run.PassTrial: one rank rewritten on fake process groups).
+    Candidates are tried best first and the first one accepted is chosen; the faster
+    ones it rejected stay in `plan.alternatives` with the pass's reason. When it rejects
+    every candidate that fits, NotExecutableError lists the reasons (`executable_only`),
+    or the best candidate comes back marked not executable with them. Without a trial
+    the best candidate comes back marked not executable: its passes were not run."""
     start = time.perf_counter()
     checker = _Executability(cluster, request, unsupported)
     if executable_only:
@@ -141,7 +153,7 @@ def search(profile: ModelProfile, cluster, request: PlanRequest,
     if not fitting:
         raise NoPlanFitsError(_no_fit_message(candidates, cluster, skipped))
     best, plan, candidates = _choose(fitting, candidates, profile, cluster, request,
-                                     checker, trial)
+                                     checker, trial, executable_only)
     plan = replace(plan, alternatives=_alternatives(best, candidates))
     log.info("priced %d candidates (%d fit) in %.3f s; chose %s", len(candidates),
              len(fitting), time.perf_counter() - start, best.summary())
@@ -150,33 +162,54 @@ def search(profile: ModelProfile, cluster, request: PlanRequest,
 
 def _choose(fitting: list[Candidate], candidates: list[Candidate], profile: ModelProfile,
             cluster, request: PlanRequest, checker: "_Executability",
-            trial: Callable[[Plan], str | None] | None
+            trial: Callable[[Plan], str | None] | None, executable_only: bool
             ) -> tuple[Candidate, Plan, list[Candidate]]:
-    """The best fitting candidate the trial accepts (executable ones are tried; without
-    a trial, the best), its plan, and the candidates with the rejected ones marked."""
+    """The best fitting candidate the trial accepts, its plan (marked executable only
+    then), and the candidates with the rejected ones marked. A candidate the runtime
+    cannot execute is not tried (the best of them is chosen, marked); without a trial
+    the best candidate is chosen, marked untried."""
     rejected: dict[int, str] = {}
     chosen = plan = None
+    accepted = False
     for c in sorted(fitting, key=_rank_key):
         plan = _make_plan(c, profile, cluster, request, checker.placement(c.layout.mesh),
                           checker.cluster_hash)
-        problem = trial(plan) if trial is not None and c.executable else None
+        if trial is None or not c.executable:
+            chosen = c  # nothing is tried: marked below
+            break
+        problem = trial(plan)
         if problem is None:
-            chosen = c
+            chosen, accepted = c, True
             break
         rejected[id(c)] = problem
     if chosen is None:
         reasons = list(dict.fromkeys(rejected.values()))
-        raise NotExecutableError(
-            f"the passes reject every candidate plan that fits ({len(fitting)} candidates): "
-            + "; ".join(reasons[:3]) + (f"; and {len(reasons) - 3} more" if len(reasons) > 3
-                                        else ""))
+        why = (f"the passes reject every candidate plan that fits ({len(fitting)} "
+               f"candidates): " + "; ".join(reasons[:3])
+               + (f"; and {len(reasons) - 3} more" if len(reasons) > 3 else ""))
+        if executable_only:
+            raise NotExecutableError(why)
+        chosen = min(fitting, key=_rank_key)
+        plan = _make_plan(chosen, profile, cluster, request,
+                          checker.placement(chosen.layout.mesh), checker.cluster_hash)
+    because = chosen.unsupported
+    if id(chosen) in rejected:
+        because += (f"rejected by the passes: {rejected[id(chosen)]}",)
+    elif not accepted and chosen.executable:
+        because += (_UNTRIED,)
+    plan = replace(plan, executable=accepted, not_executable_because=because)
     if not rejected:
         return chosen, plan, candidates
     marked = [replace(c, unsupported=c.unsupported + (f"rejected by the passes: "
                                                       f"{rejected[id(c)]}",),
                       rejected=rejected[id(c)]) if id(c) in rejected else c
               for c in candidates]
+    chosen = next(m for m, c in zip(marked, candidates) if c is chosen)
     return chosen, plan, marked
+
+
+#: why a plan the runtime could run is not marked executable when no trial ran
+_UNTRIED = "its passes were not run on this graph (no trial)"
 
 
 def _rank_key(c: Candidate) -> tuple:
@@ -432,7 +465,7 @@ def _make_plan(best: Candidate, profile: ModelProfile, cluster, request: PlanReq
     predicted = replace(best.priced.prediction, memory_per_pp_rank=per_rank)
     return replace(plan, collective_matmul=bool(chunked), collective_matmul_layers=chunked,
                    bucket_mb=best.priced.bucket_mb, predicted=predicted,
-                   executable=best.executable,
+                   executable=False,   # _choose marks it once the passes ran
                    not_executable_because=best.unsupported,
                    shardings=_shardings(profile) if best.layout.mesh.tp > 1 else ())
 
@@ -461,7 +494,8 @@ def _alternatives(best: Candidate, candidates: list[Candidate]) -> tuple[Alterna
     # the faster layouts that did not fit come first: they say why the plan is not faster
     faster = [c for c in candidates if not c.fits and c.step < base]
     # the candidates the passes rejected come first: why the plan is not the fastest
-    refused = sorted((c for c in candidates if c.rejected is not None), key=_rank_key)
+    refused = sorted((c for c in candidates if c.rejected is not None and c is not best),
+                     key=_rank_key)
     chosen = refused[:4]
     chosen += sorted(faster, key=_rank_key)[:2]
     chosen += sorted(others, key=lambda c: (not c.fits, _rank_key(c)))[:8 - len(chosen)]
@@ -477,10 +511,19 @@ def _alternatives(best: Candidate, candidates: list[Candidate]) -> tuple[Alterna
                 reason += f"; rejected by the passes: {c.rejected}"
             elif not c.executable:
                 reason += "; not executable yet: " + _short(c.unsupported)
+            else:
+                reason += "; " + NOT_TRIED
+        # False: cannot run (a missing feature, a pass's rejection); None: not tried
+        executable = False if (c.rejected is not None or not c.executable) else None
         out.append(Alternative(summary=c.summary(), step_time_s=c.step,
                                memory_per_rank_bytes=p.memory_per_rank_bytes, fits=c.fits,
-                               executable=c.executable, reason=reason))
+                               executable=executable, reason=reason))
     return tuple(out)
+
+
+#: an alternative the runtime could run whose passes were not run (only the chosen plan
+#: and the faster candidates before it are tried)
+NOT_TRIED = "not tried by the passes"
 
 
 def _short(reasons: tuple[str, ...]) -> str:
