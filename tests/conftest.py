@@ -1,11 +1,12 @@
 """Test tiers and hang guards, for every test module.
 
 Tiers. A test that starts processes (`ah.launch`, torchrun, a subprocess, a browser) is
-marked `procs` (per test, or per module with `pytestmark`). `make test-fast` runs the rest
-with AUTOHYBRID_TEST_TIER=fast: capture, cost model, search and passes in one process (a
-rank's program is rewritten on torch's fake process group). In that tier a test that
-starts a process anyway fails at once, naming the mark it lacks, so the tier stays
-process-free. `make test` runs everything.
+marked `procs` (per test, or per module with `pytestmark`), one that is process-free but
+takes seconds alone (GPT-3-scale models, brute force) `slow`. `make test-fast` runs the
+rest with AUTOHYBRID_TEST_TIER=fast: capture, cost model, search and passes in one
+process (a rank's program is rewritten on torch's fake process group). In that tier
+starting a process anywhere (a test or a fixture of any scope) fails at once, naming the
+test and the mark it lacks, so the tier stays process-free. `make test` runs everything.
 
 Hang guards. Time limits in tests are hang guards, never timings: every pytest-timeout
 limit (the marks and pyproject's default) is multiplied by `GUARD_SCALE`
@@ -29,6 +30,8 @@ FAST = os.environ.get("AUTOHYBRID_TEST_TIER") == "fast"
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "procs: the test starts processes (not in make "
                                        "test-fast)")
+    config.addinivalue_line("markers", "slow: process-free but seconds long (models at "
+                                       "scale, brute force; not in make test-fast)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -40,19 +43,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if seconds > 0:
             item.add_marker(pytest.mark.timeout(seconds * GUARD_SCALE), append=False)
     if FAST:
-        skip = pytest.mark.skip(reason="starts processes: make test runs it")
+        skip = pytest.mark.skip(reason="starts processes or is slow: make test runs it")
         for item in items:
-            if item.get_closest_marker("procs"):
+            if item.get_closest_marker("procs") or item.get_closest_marker("slow"):
                 item.add_marker(skip)
 
 
-@pytest.fixture(autouse=True)
-def _no_processes_in_the_fast_tier(request: pytest.FixtureRequest, monkeypatch):
-    """In the fast tier, starting a process fails the test (it lacks the procs mark)."""
-    if FAST and not request.node.get_closest_marker("procs"):
-        def refuse(*args, **kwargs):
-            pytest.fail(f"{request.node.nodeid} starts a process: mark it "
-                        "@pytest.mark.procs (tests/conftest.py), or keep it process-free")
-        monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
-        monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
-    yield
+_current = ["collection"]   # the test being set up, run or torn down (for the message)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _current[0] = item.nodeid
+
+
+def _refuse_processes() -> None:
+    """The fast tier: starting a process anywhere (a test, a fixture of any scope) fails."""
+    def refuse(*args, **kwargs):
+        pytest.fail(f"{_current[0]} starts a process: mark it @pytest.mark.procs "
+                    "(tests/conftest.py), or keep it process-free")
+    multiprocessing.process.BaseProcess.start = refuse
+    subprocess.Popen.__init__ = refuse
+
+
+if FAST:
+    _refuse_processes()

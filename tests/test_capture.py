@@ -191,6 +191,7 @@ class _Logits(nn.Module):
         return self.lm(ids).logits
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("build", [_hf_gpt2, _hf_llama], ids=["gpt2", "llama"])
 def test_hugging_face_models(build) -> None:
@@ -273,6 +274,7 @@ def gpt3_175b_capture():
     return model, cap, seconds, (rss_after - rss_before) * scale
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_gpt3_175b_on_meta_captures_without_allocating(gpt3_175b_capture) -> None:
     """The capture's time is printed (benchmarks/search_scaling.py records it); the

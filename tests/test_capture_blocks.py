@@ -106,6 +106,7 @@ def _eager_lm(model, inputs, targets):
 
 
 # ----------------------------------------------------------------------------- zoo
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("kind", ["gpt", "llama"])
 def test_zoo_models_are_replicated_and_equal_a_full_export(kind, caplog, monkeypatch):
@@ -121,6 +122,7 @@ def test_zoo_models_are_replicated_and_equal_a_full_export(kind, caplog, monkeyp
     assert len(model.blocks) == 6 and all("forward" not in b.__dict__ for b in model.blocks)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_meta_forward_graph_for_planning(caplog, monkeypatch):
     """The plan path: a model on the meta device, forward graph (no loss)."""
@@ -134,6 +136,7 @@ def test_meta_forward_graph_for_planning(caplog, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- Hugging Face
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(not have_transformers(), reason="transformers is not installed")
 def test_hugging_face_llama_of_12_layers(caplog, monkeypatch):
@@ -191,6 +194,7 @@ class Stack(nn.Module):
         return out / len(self.blocks) if self.depth_scaled else out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_kinds_of_block_alternating(caplog, monkeypatch):
     torch.manual_seed(0)

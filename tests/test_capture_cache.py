@@ -140,6 +140,7 @@ def test_edits_of_a_returned_graph_record_do_not_reach_the_memo():
     assert second.hash != "changed"
 
 
+@pytest.mark.slow
 def test_zoo_and_hugging_face_models_hit_and_equal_a_fresh_export(monkeypatch):
     """The memo's graph is the one a fresh export gives (same hash) for models the
     project did not write as well as its own."""

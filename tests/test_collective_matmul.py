@@ -249,6 +249,7 @@ def _gpt(hidden: int, layers: int = 2):
     return GPT(layers=layers, hidden=hidden, heads=8, vocab=512, seq=256)
 
 
+@pytest.mark.slow
 def test_cost_model_chooses_chunking_per_layer_where_it_pays():
     """On a slow link (the CPU preset across nodes' figures, here 2 ranks on 2 nodes) a
     wide GPT's blocks hide most of their tp transfers behind their matmuls: the planner

@@ -29,6 +29,7 @@ def gpt3():
     return report, time.perf_counter() - start
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_gpt3_175b_on_1024_gpus_is_built_in_one_process(gpt3):
     """The dry run's time is printed, not asserted (a benchmark's figure: ~35 s on a
@@ -42,6 +43,7 @@ def test_gpt3_175b_on_1024_gpus_is_built_in_one_process(gpt3):
     assert report.ok, report.summary()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_gpt3_175b_rank_holds_the_planned_parameter_bytes(gpt3):
     report, _ = gpt3
@@ -58,6 +60,7 @@ def test_gpt3_175b_rank_holds_the_planned_parameter_bytes(gpt3):
     assert report.param_elements == LAYERS * block + VOCAB // 8 * h + 2048 * h + 2 * h
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_gpt3_175b_rank_holds_shards_only(gpt3):
     report, _ = gpt3
@@ -79,6 +82,7 @@ def test_gpt3_175b_rank_holds_shards_only(gpt3):
         == 4 * HIDDEN * HIDDEN // 8  # an MLP shard: 1/8 of the largest block weight
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_gpt3_175b_collectives_are_megatron_s(gpt3):
     report, _ = gpt3

@@ -121,6 +121,7 @@ def test_validity_rules_name_the_reason():
     assert "PRECISION_SETUP" in swap(precision="fp8")
 
 
+@pytest.mark.slow
 def test_layer_counts_match_the_captured_graphs():
     """`LAYERS` (the most stages a model variant cuts into) is what segment() finds."""
     from autohybrid.search.layers import segment

@@ -209,6 +209,7 @@ def _program_text(gm, notes) -> str:
     return "\n".join(texts) + repr(shards)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_ranks_with_the_same_tp_coordinate_get_the_same_program() -> None:
     """ah.compile gives a rank the trial's program (built for rank 0) when

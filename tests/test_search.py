@@ -110,6 +110,7 @@ def test_megatron_shardings_of_a_llama_block_with_swiglu_and_gqa():
     assert not [c for c in layout.collectives if c.kind == "all_gather"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_deepened_profile_is_the_captured_deep_model_s():
     """published_runs captures 2 blocks of its big GPTs and repeats the last: the layers,
@@ -151,6 +152,7 @@ def test_korthikanti_rows_are_predicted_within_15_percent(row):
     assert predicted == pytest.approx(published, rel=0.05)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_planner_prefers_interleaving_for_llama3_405b_on_512_gpus():
     """torchtitan: Llama3.1-405B, FSDP 8 × TP 8 × PP 8 on 512 H100s, interleaved 1F1B gave
@@ -194,6 +196,7 @@ def test_plans_with_tp_carry_the_sharding_of_every_split_node():
     assert dp_only.shardings == ()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_megatron_core_rows_with_the_fitted_tp_overlap():
     """The one constant fitted on the Megatron-Core table (TP_OVERLAP_MEGATRON_CORE) puts

@@ -59,6 +59,7 @@ def _small_graphs():
     yield "hf-gpt2-no-loss", _hf_gpt2(False).gm
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_generic_linear_choice_matches_brute_force_on_small_graphs():
     """The descent from Megatron's assignment reaches the optimum of an exhaustive

@@ -46,6 +46,7 @@ def _t5_eager_loss(model, inputs, targets):
 
 
 # ----------------------------------------------------------------------------- in process
+@pytest.mark.slow
 @needs_transformers
 @pytest.mark.timeout(120)
 def test_a_model_that_needs_its_targets_plans_compiles_and_says_so() -> None:

@@ -83,6 +83,7 @@ def _check_well_formed(timeline: Timeline, world: int, steps: int) -> None:
 
 
 # ---------------------------------------------------------------------------- measured
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_dp_buckets_all_reduce_during_backward(measured):
     """dp 2, ≥ 2 buckets: on every rank and step, gradient all-reduces are issued while
@@ -107,6 +108,7 @@ def test_dp_buckets_all_reduce_during_backward(measured):
             assert len(reduces) >= buckets + 1
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_tp_collectives_between_forward_compute(measured):
     """tp 2: the forward's tensor-parallel all-reduces sit between forward compute."""
@@ -123,6 +125,7 @@ def test_tp_collectives_between_forward_compute(measured):
             assert {c.name for c in between} & {"all_reduce", "all_gather", "reduce_scatter"}
 
 
+@pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_chrome_trace_files(measured, tmp_path):
     """Measured, predicted, and both side by side, written as Chrome trace JSON."""
