@@ -17,14 +17,19 @@ guess):
   plain attributes (numbers, strings, dtypes, configs, containers of them, tensors by
   shape/dtype), its parameters and buffers by name, shape, dtype, device, requires_grad;
   a module with hooks is not cached;
-- the code: every function of each module class and its bases (by identity, so a method
-  patched onto the class misses), the functions they call by global name and the module
-  attributes they name (by identity, three levels deep), global values they read;
+- the code: every function of each module class and its bases below nn.Module (by
+  identity, so a method patched onto the class misses); for `forward` and the methods it
+  names, the functions they call by global name (three calls deep), the attributes of
+  modules they name (`F.relu`: by identity) and the global values they read;
 - the loss function's code, defaults and closure values, and the globals it reads;
 - example inputs and targets by shape, dtype and device; with_loss; autocast dtype;
 - torch's version, grad mode, default dtype and deterministic-algorithms flag, and the
   capture mode (AUTOHYBRID_CAPTURE: once per block, or the full export).
 
+What it does not see: code more than three calls below a forward; a global object that
+has no value fingerprint (it is taken by identity, so a change of its attributes goes
+unseen); state outside the model that a forward reads through a call into C++. In-process
+only: nothing is written to disk, so a file edited on disk is a new process's concern.
 `AUTOHYBRID_CAPTURE_CACHE=0` switches the memo off (each capture exports afresh).
 
     >>> key = capture_key(model, inputs, targets, loss_fn, with_loss=True, autocast=None)
@@ -37,6 +42,7 @@ import enum
 import functools
 import logging
 import os
+import re
 import types
 import weakref
 from collections import OrderedDict
@@ -78,7 +84,10 @@ def capture_key(model: nn.Module, inputs: Sequence[torch.Tensor],
                 targets: Sequence[torch.Tensor], loss_fn: Callable | None, *,
                 with_loss: bool, autocast: torch.dtype | None) -> tuple[tuple, list] | None:
     """The memo key of one capture, with the objects it names kept alive beside it (so
-    no id in it is ever reused); None when something has no fingerprint."""
+    no id in it is ever reused); None when something has no fingerprint or the memo is
+    off."""
+    if not enabled():
+        return None
     walk = _Walker()
     try:
         key = (torch.__version__, os.environ.get("AUTOHYBRID_CAPTURE", ""),
@@ -297,8 +306,8 @@ def _constant_of(model: nn.Module, name: str, old: Any) -> Any | None:
         obj = getattr(obj, part, None)
         if obj is None:
             break
-    if obj is None:
-        return old if name.startswith("lifted_tensor") or name.startswith("_tensor_constant") \
+    if obj is None:   # export's name for a tensor the trace made (torch.tensor(...))
+        return old if re.fullmatch(r"(c_)?lifted_tensor_\d+|_tensor_constant\d+", path) \
             else None
     if not isinstance(obj, torch.Tensor) or not isinstance(old, torch.Tensor) or \
             _tensors([obj]) != _tensors([old]):

@@ -69,6 +69,27 @@ def test_a_new_instance_of_the_same_model_hits_and_runs_on_its_own_tensors():
     torch.testing.assert_close(loss, F.cross_entropy(model(x), y))
 
 
+class MadeConstant(nn.Module):
+    """A forward that makes a tensor while it runs: export lifts it as a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + torch.tensor([1.0, 2.0, 3.0])
+
+
+def test_a_constant_the_trace_made_is_shared_and_an_attribute_is_the_new_models():
+    first, _, _ = cap_of(MadeConstant())
+    model = MadeConstant()
+    second, x, y = cap_of(model)
+    assert second.gm is first.gm
+    assert list(second.constants) == list(first.constants) == ["model.lifted_tensor_0"]
+    loss = second.run(second.default_state(model), (x,), (y,))
+    torch.testing.assert_close(loss, F.cross_entropy(model(x), y))
+
+
 def test_shapes_attributes_mode_and_inputs_change_the_key():
     base, _, _ = cap_of(Net())
     for other in (cap_of(Net(width=8, layers=3))[0],      # one more layer
