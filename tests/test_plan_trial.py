@@ -20,7 +20,7 @@ from autohybrid.capture import capture
 from autohybrid.errors import AutohybridError
 from autohybrid.models.coverage import RNNLM, lm_loss
 from autohybrid.plan import Mesh, Plan
-from autohybrid.runtime.dry_run import PassTrial, rewrite, same_program
+from autohybrid.runtime.dry_run import PassTrial, rewrite
 
 
 def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -209,42 +209,3 @@ def _program_text(gm, notes) -> str:
     return "\n".join(texts) + repr(shards)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_ranks_with_the_same_tp_coordinate_get_the_same_program() -> None:
-    """ah.compile gives a rank the trial's program (built for rank 0) when
-    dry_run.same_program says the passes build the same for both: it must hold on every
-    rank of a plan using every axis (pp × dp × tp, ZeRO-3, sp)."""
-    model, inputs, targets = _gpt_tiny()
-    train = capture(model, inputs, _loss, targets)
-    plan = ah.plan(model, ah.Cluster.local(8), inputs, loss_fn=_loss, example_targets=targets,
-                   constraints=ah.Constraints(pp=2, dp=2, tp=2, sp=True, zero=3,
-                                              num_microbatches=2))
-    texts = {rank: _program_text(*rewrite(train, plan, rank)[:2]) for rank in range(8)}
-    for rank in range(8):
-        for other in range(rank + 1, 8):
-            assert (texts[rank] == texts[other]) == same_program(plan, rank, other), \
-                (rank, other)
-
-
-@pytest.mark.timeout(120)
-def test_compile_keeps_the_trials_program_instead_of_rewriting_again(monkeypatch) -> None:
-    """The search's trial rewrote rank 0's program of the chosen plan: ah.compile runs the
-    passes once, and its program is the one a fresh rewrite gives."""
-    model, inputs, targets = _gpt_tiny()
-    runs = []
-    real = passes.run_passes
-
-    def counted(gm, ctx, chosen):
-        runs.append(ctx.plan.mesh)
-        return real(gm, ctx, chosen)
-
-    monkeypatch.setattr(passes, "run_passes", counted)
-    compiled = ah.compile(model, ah.Cluster.local(1), inputs, loss_fn=_loss,
-                          example_targets=targets)
-    assert len(runs) == 1
-    fresh, _, _, _ = rewrite(compiled._train, compiled.plan, 0)
-    assert compiled.graphs["train"].print_readable(print_output=False) == \
-        fresh.print_readable(print_output=False)
-    loss = compiled.train_step(inputs, targets)
-    assert torch.isfinite(loss)

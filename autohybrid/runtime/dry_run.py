@@ -61,7 +61,6 @@ from ..cluster import Cluster
 from ..cost.memory import dtype_bytes, training_state
 from ..errors import AutohybridError, NoPlanFitsError, NotExecutableError, PlanError
 from ..graph import AH_PARAM, AH_ROLE, VAL, op_name
-from ..passes.manager import dump_dir
 from ..plan import Constraints, Plan
 from ..search.sharding import _CLASS_LOSSES, TensorParallelLayout, linear_parts
 from ..search.space import ModelProfile
@@ -359,30 +358,6 @@ class PassTrial:
                 and min(self.rank, plan.world_size - 1) == self.rank:
             return self._kept[1]
         return None
-
-    def program(self, graph: CapturedGraph, plan: Plan, rank: int
-                ) -> tuple[fx.GraphModule, dict[str, Any]] | None:
-        """Rank `rank`'s (graph, notes) of `plan` for `graph`, when the kept trial built
-        that very program: same captured graph, same pass fields, a rank with the same
-        program (`same_program`), no debug dumps asked for (the trial writes none). Given
-        once: the caller owns the graph it gets (ah.compile's rank program)."""
-        if self._kept is None or graph is not self.graph or dump_dir(rank) is not None:
-            return None
-        trial_rank = min(self.rank, plan.world_size - 1)
-        if self._kept[0] != self.key(plan) or not same_program(plan, trial_rank, rank):
-            return None
-        gm, notes = self._kept[1][:2]
-        self._kept = None
-        return gm, notes
-
-
-def same_program(plan: Plan, rank: int, other: int) -> bool:
-    """Whether the passes build the same program for two ranks of `plan`. Of a rank they
-    read only its tp coordinate (`ctx.coords[2]`: tensor_parallel, sequence_parallel);
-    every pipeline stage is built on every rank (pipeline_split; the runtime takes its
-    own), and ZeRO's and the dp shards' indices are the runtime's. tests/test_plan_trial
-    checks it on every rank of a pp × dp × tp plan."""
-    return plan.mesh.coords(rank)[2] == plan.mesh.coords(other)[2]
 
 
 def _params(gm: fx.GraphModule) -> dict[str, fx.Node]:
