@@ -193,6 +193,7 @@ def test_train_script_under_torchrun(capsys, tmp_path) -> None:
         "dist.init_process_group('gloo')\n"
         "out = sys.argv[sys.argv.index('--out') + 1]\n"
         "open(f\"{out}.{dist.get_rank()}\", 'w').write(os.environ['WORLD_SIZE'])\n"
+        "dist.barrier()  # no rank leaves while another still connects (seen under load)\n"
         "dist.destroy_process_group()\n")
     out = tmp_path / "rank"
     code, _, err = _main(capsys, "train", str(script), "--cluster", "local:2", "--",
