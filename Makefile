@@ -32,7 +32,8 @@ test: $(STAMP) chromium
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
 # The process-free tier (tests/conftest.py): capture, cost model, search, passes on one
-# process; a test that starts a process fails here unless it is marked `procs`.
+# process; tests marked `procs` (start processes) or `slow` run only in `make test`, and
+# a process started anywhere in this tier fails it.
 test-fast: $(STAMP)
 	AUTOHYBRID_TEST_TIER=fast OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
