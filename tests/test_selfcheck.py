@@ -54,6 +54,39 @@ def _drop_tp_copy_all_reduce() -> None:
                                      setup_context=lambda ctx, inputs, output: None)
 
 
+def _wrong_plan_is_refused(fails: Failures, world: int, constraints: ah.Constraints,
+                           check: bool | str, x: torch.Tensor, y: torch.Tensor,
+                           calls: list[str] | None = None) -> None:
+    """With the injected bug, the checked first step raises NumericsError naming the first
+    parameter whose gathered gradient differs, and steps nothing (and, given `calls`,
+    gathers no whole model)."""
+    _drop_tp_copy_all_reduce()
+    plain = ah.compile(zoo_model("gpt-tiny"), ah.Cluster.local(world), (x,), loss_fn=lm_loss,
+                       example_targets=y, constraints=constraints)
+    plain.forward_backward((x,), y)
+    eager = zoo_model("gpt-tiny")
+    lm_loss(eager(x), y).backward()
+    name = _first_differing(plain.full_grads(), grads_of(eager))
+    fails.check("the injected bug changed no gradient", name is not None)
+    checked = ah.compile(zoo_model("gpt-tiny"), ah.Cluster.local(world), (x,),
+                         loss_fn=lm_loss, example_targets=y, optimizer=_sgd,
+                         constraints=constraints, check=check)
+    before = checked.full_state_dict()
+    if calls is not None:
+        calls.clear()
+    try:
+        checked.train_step((x,), y)
+        fails.append(f"the wrong plan passed the check (check={check!r})")
+    except ah.NumericsError as exc:
+        fails.check(f"the error names {name!r}: {exc}",
+                    f"gradient of parameter {name!r} differs" in str(exc))
+    if calls is not None:
+        fails.check(f"the wrong plan's check gathered the whole model: {calls}", not calls)
+    after = checked.full_state_dict()
+    for key, want in before.items():   # nothing was stepped
+        fails.check(f"{key} was stepped", torch.equal(after[key], want))
+
+
 def _rank(rank: int) -> list[str]:
     fails = Failures()
     model = zoo_model("gpt-tiny")
@@ -67,27 +100,7 @@ def _rank(rank: int) -> list[str]:
     fails.close("right plan: loss", loss, expected)
     fails.close_dict("right plan: state", compiled.full_state_dict(), state_of(ref))
 
-    _drop_tp_copy_all_reduce()
-    plain = ah.compile(zoo_model("gpt-tiny"), ah.Cluster.local(2), (x,), loss_fn=lm_loss,
-                       example_targets=y, constraints=TP)
-    plain.forward_backward((x,), y)
-    eager = zoo_model("gpt-tiny")
-    lm_loss(eager(x), y).backward()
-    name = _first_differing(plain.full_grads(), grads_of(eager))
-    fails.check("the injected bug changed no gradient", name is not None)
-
-    checked = ah.compile(zoo_model("gpt-tiny"), ah.Cluster.local(2), (x,), loss_fn=lm_loss,
-                         example_targets=y, optimizer=_sgd, constraints=TP, check=True)
-    before = checked.full_state_dict()
-    try:
-        checked.train_step((x,), y)
-        fails.append("the wrong plan passed the check")
-    except ah.NumericsError as exc:
-        fails.check(f"the error names {name!r}: {exc}",
-                    f"gradient of parameter {name!r} differs" in str(exc))
-    after = checked.full_state_dict()
-    for key, want in before.items():   # nothing was stepped
-        fails.check(f"{key} was stepped", torch.equal(after[key], want))
+    _wrong_plan_is_refused(fails, 2, TP, True, x, y)
     return fails
 
 
@@ -182,29 +195,7 @@ def _stage_rank(rank: int) -> list[str]:
         fails.close_dict(f"{case}: state", compiled.full_state_dict(), state_of(ref))
         calls.clear()
 
-    _drop_tp_copy_all_reduce()
-    tp = cases["pp2×tp2"]
-    plain = ah.compile(zoo_model("gpt-tiny"), ah.Cluster.local(4), (x,), loss_fn=lm_loss,
-                       example_targets=y, constraints=tp)
-    plain.forward_backward((x,), y)
-    eager = zoo_model("gpt-tiny")
-    lm_loss(eager(x), y).backward()
-    name = _first_differing(plain.full_grads(), grads_of(eager))
-    fails.check("the injected bug changed no gradient", name is not None)
-    checked = ah.compile(zoo_model("gpt-tiny"), ah.Cluster.local(4), (x,), loss_fn=lm_loss,
-                         example_targets=y, optimizer=_sgd, constraints=tp, check="stage")
-    before = checked.full_state_dict()
-    calls.clear()
-    try:
-        checked.train_step((x,), y)
-        fails.append("the wrong plan passed the per-stage check")
-    except ah.NumericsError as exc:
-        fails.check(f"the error names {name!r}: {exc}",
-                    f"gradient of parameter {name!r} differs" in str(exc))
-    fails.check(f"the wrong plan's check gathered the whole model: {calls}", not calls)
-    after = checked.full_state_dict()
-    for key, want in before.items():   # nothing was stepped
-        fails.check(f"{key} was stepped", torch.equal(after[key], want))
+    _wrong_plan_is_refused(fails, 4, cases["pp2×tp2"], "stage", x, y, calls)
     return fails
 
 
