@@ -99,6 +99,9 @@ class PassFailure(PlanError):
         super().__init__(message)
         self.pass_name, self.node, self.module = pass_name, node, module
 
+    def __reduce__(self):  # sent between ranks (runtime/groups.from_rank_zero)
+        return type(self), (str(self), self.pass_name, self.node, self.module)
+
     @classmethod
     def of(cls, exc: BaseException, pass_name: str) -> "PassFailure":
         node = node_in_traceback(exc)
@@ -118,6 +121,9 @@ class StepFailure(RuntimeFailure):
     def __init__(self, message: str, node: str | None, module: str | None):
         super().__init__(message)
         self.node, self.module = node, module
+
+    def __reduce__(self):
+        return type(self), (str(self), self.node, self.module)
 
     @classmethod
     def of(cls, exc: BaseException, what: str, plan: Any = None) -> "StepFailure":

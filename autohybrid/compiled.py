@@ -31,7 +31,7 @@ from .cluster import Cluster
 from .errors import AutohybridError, CaptureError, PlanError, RuntimeFailure
 from .plan import Constraints, NodeSharding, Plan
 from .runtime.executor import Executor, check_same_plan
-from .runtime.groups import build_mesh, ensure_initialized
+from .runtime.groups import build_mesh, ensure_initialized, from_rank_zero
 from .runtime.pipeline import PipelineRunner, shared_grad_groups
 from .runtime.tp_state import ShardedParameters
 from .init import replace_parameters
@@ -89,10 +89,11 @@ class CompiledModel:
                 self._forward_captures[model.training] = named
         self.optimizer = (optimizer_factory(list(self._trained_params().values()))
                           if optimizer_factory and self.materializer is None else None)
-        if plan is None:
-            plan = make_plan(named, self._train, model, cluster, self.example_inputs,
-                             global_batch, autocast, constraints, optimizer_kind(self.optimizer),
-                             executable_only=True)
+        if plan is None:  # searched once, on rank 0 (the search is deterministic)
+            kind = optimizer_kind(self.optimizer)
+            plan = from_rank_zero(lambda: make_plan(
+                named, self._train, model, cluster, self.example_inputs, global_batch,
+                autocast, constraints, kind, executable_only=True))
         else:  # a plan made without targets names the forward graph: captured if so
             forward = lambda: capture(model, self.example_inputs, with_loss=False)  # noqa: E731
             check_plan_fits_model(plan, named, cluster,

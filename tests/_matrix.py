@@ -6,7 +6,7 @@ optimizer. `valid(case)` says why a point cannot run (None: it can), from the li
 own checks (`autohybrid.plan.schedule_problem`, the layers a model has for pp × v stages)
 and from what an option means (ZeRO shards over dp, sp splits the tp axis, selective
 recomputation checkpoints attention). Virtual stages and microbatches follow from the
-schedule and pp (`SCHEDULES`); the global batch from dp and the microbatches.
+schedule and pp (`SCHEDULES`); every case trains on `GLOBAL_BATCH` samples.
 
 `ci_sample()` is a deterministic all-pairs cover, cheap by `Case.seconds`: every valid
 pair of option values (any two dimensions) appears in at least one case, every mesh
@@ -57,7 +57,10 @@ RECOMPUTES = ("none", "selective", "full")
 SEQUENCE_PARALLEL = (False, True)
 PRECISIONS = ("fp64",)
 OPTIMIZERS = ("sgd", "adamw")
-SAMPLES_PER_MICROBATCH = 2
+#: every case trains on global batches of this many samples (at least 2 per microbatch:
+#: dp × microbatches is at most 8), so that the cases of one model variant capture the
+#: same graph and later ones find it in the capture memo (autohybrid/capture_cache.py)
+GLOBAL_BATCH = 16
 STEPS = 3
 
 
@@ -137,7 +140,7 @@ class Case:
 
     @property
     def global_batch(self) -> int:
-        return self.dp * self.num_microbatches * SAMPLES_PER_MICROBATCH
+        return GLOBAL_BATCH
 
     @property
     def chunked(self) -> bool:
@@ -209,6 +212,9 @@ def valid(case: Case) -> str | None:
     if case.pp * case.virtual_stages > layers:
         return (f"{case.model} (pp {case.pp} variant) has {layers} layers, fewer than "
                 f"pp × virtual_stages = {case.pp * case.virtual_stages} stages")
+    if GLOBAL_BATCH % (case.dp * case.num_microbatches * 2):
+        return (f"{GLOBAL_BATCH} samples do not give dp {case.dp} × {case.num_microbatches} "
+                "microbatches 2 samples or more each")
     if case.zero and case.dp == 1:
         return f"ZeRO-{case.zero} shards over dp; at dp=1 it is ZeRO-0"
     if case.sp and case.tp == 1:

@@ -286,3 +286,43 @@ def test_same_script_under_torchrun(tmp_path):
         assert "RESULT 3.0" in text
         assert "MISMATCH launch under torchrun: WORLD_SIZE=2" in text
         assert "world_size=3" in text
+
+
+# ----------------------------------------------------------------------------- from_rank_zero
+class _Unpicklable(Exception):
+    def __reduce__(self):
+        raise TypeError("not picklable")
+
+
+def _from_rank_zero_rank(rank: int) -> dict:
+    from autohybrid.blame import PassFailure
+    from autohybrid.runtime.groups import from_rank_zero
+
+    calls = []
+    value = from_rank_zero(lambda: calls.append(rank) or {"rank": rank})
+    out = {"value": value, "calls": calls, "raised": []}
+    for exc in (PassFailure("pass 'zero' failed", "zero", "mm_3", "layers.0"),
+                _Unpicklable("odd")):
+        try:
+            from_rank_zero(lambda exc=exc: (_ for _ in ()).throw(exc))
+        except Exception as got:
+            out["raised"].append((type(got).__name__, str(got),
+                                  getattr(got, "pass_name", None), getattr(got, "node", None)))
+    return out
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(60)
+def test_from_rank_zero_runs_once_and_every_rank_gets_its_result_or_its_error():
+    """What ah.compile's plan search runs through: computed on rank 0 only, its value
+    on every rank; what it raises, raised on every rank with the same type and fields
+    (or, when it cannot travel, an AutohybridError naming it)."""
+    from _pool import launch as pool_launch
+
+    results = pool_launch(_from_rank_zero_rank, 3, timeout_s=guard(30))
+    assert [r["value"] for r in results] == [{"rank": 0}] * 3
+    assert [r["calls"] for r in results] == [[0], [], []]
+    for r in results:
+        assert r["raised"] == [
+            ("PassFailure", "pass 'zero' failed", "zero", "mm_3"),
+            ("AutohybridError", "rank 0: _Unpicklable: odd", None, None)]

@@ -39,23 +39,24 @@ def _pinned(tp: int, sp: bool = False) -> ah.Constraints:
 
 
 # ============================================================================ the zoo
-def _zoo_rank(rank: int, world: int, tp: int, sp: bool) -> list[str]:
-    """mlp, gpt, llama (4 heads, 2 KV heads): 3 AdamW steps, 3 SGD steps with gradient
-    clipping (a fresh compile each), then the gathered forward output."""
+def _zoo_rank(rank: int, world: int, tp: int, sp: bool, turn: int) -> list[str]:
+    """mlp, gpt, llama (4 heads, 2 KV heads), 3 steps each: AdamW, or SGD with gradient
+    clipping, alternating along the models and from one layout (`turn`) to the next,
+    so each model meets both; then the gathered forward output."""
     fails = Failures()
-    for name in ("mlp-tiny", "gpt-tiny", "llama-tiny"):
+    for i, name in enumerate(("mlp-tiny", "gpt-tiny", "llama-tiny")):
         batches = zoo_batches(name, 8)
-        for optimizer, clip in (("adamw", None), ("sgd", 0.5)):
-            case = f"{name}/{optimizer}/dp{world // tp}×tp{tp}{'+sp' if sp else ''}"
-            compiled, ref = train_and_compare(
-                fails, case, zoo_model(name), batches, world, loss_fn=zoo_loss(name),
-                optimizer=OPTIMIZERS[optimizer], constraints=_pinned(tp, sp),
-                max_grad_norm=clip)
-            mesh = compiled.plan.mesh
-            fails.check(f"{case}: plan is {mesh.describe()}",
-                        (mesh.tp, mesh.dp, mesh.sp) == (tp, world // tp, sp))
-            fails.check(f"{case}: no parameter is split",
-                        bool(compiled.notes["train"]["param_shards"]))
+        optimizer, clip = (("adamw", None), ("sgd", 0.5))[(i + turn) % 2]
+        case = f"{name}/{optimizer}/dp{world // tp}×tp{tp}{'+sp' if sp else ''}"
+        compiled, ref = train_and_compare(
+            fails, case, zoo_model(name), batches, world, loss_fn=zoo_loss(name),
+            optimizer=OPTIMIZERS[optimizer], constraints=_pinned(tp, sp),
+            max_grad_norm=clip)
+        mesh = compiled.plan.mesh
+        fails.check(f"{case}: plan is {mesh.describe()}",
+                    (mesh.tp, mesh.dp, mesh.sp) == (tp, world // tp, sp))
+        fails.check(f"{case}: no parameter is split",
+                    bool(compiled.notes["train"]["param_shards"]))
         (x,), _ = batches[0]
         fails.close(f"{case} forward", compiled((x,)), ref(x).detach())
     return fails
@@ -63,13 +64,14 @@ def _zoo_rank(rank: int, world: int, tp: int, sp: bool) -> list[str]:
 
 @pytest.mark.procs
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("world,tp,sp", [(2, 2, False), (2, 2, True), (4, 4, True),
-                                         (4, 2, False), (4, 2, True)],
+@pytest.mark.parametrize("world,tp,sp,turn", [(2, 2, False, 0), (2, 2, True, 1),
+                                              (4, 4, True, 0), (4, 2, False, 1),
+                                              (4, 2, True, 0)],
                          ids=["tp2", "tp2+sp", "tp4+sp", "dp2xtp2", "dp2xtp2+sp"])
-def test_zoo_tp_and_dp_x_tp_match_eager(world, tp, sp):
+def test_zoo_tp_and_dp_x_tp_match_eager(world, tp, sp, turn):
     """tp 2 and 4 (llama-tiny at tp 4: 2 KV heads, each on 2 ranks) and dp 2 × tp 2, with
     sequence parallelism on and off."""
-    _assert_no_failures(_launch(_zoo_rank, world, tp, sp))
+    _assert_no_failures(_launch(_zoo_rank, world, tp, sp, turn))
 
 
 # ============================================================================ vocabulary
