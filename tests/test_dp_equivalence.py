@@ -91,9 +91,10 @@ def _zoo_rank(rank: int, world: int) -> list[str]:
 
 @pytest.mark.procs
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [2, 4])
 def test_zoo_sgd_and_adamw_match_eager(world):
-    """mlp, gpt, llama, resnet (BatchNorm) × SGD, AdamW: 3 steps, every rank."""
+    """mlp, gpt, llama, resnet (BatchNorm) × SGD, AdamW: 3 steps, every rank. (One rank:
+    the matrix's 1-rank case, and the in-process compiles of the fast tier.)"""
     _assert_no_failures(_launch(_zoo_rank, world))
 
 

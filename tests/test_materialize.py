@@ -97,8 +97,7 @@ def test_a_model_larger_than_the_budget_trains_with_tp_pp_zero3_under_it():
     meta = _budget_model()
     count = sum(p.numel() for p in meta.parameters())
     budget = 4 * count
-    results = ah.launch(_budget_rank, ah.Cluster.local(8), args=(8, budget),
-                        timeout_s=LAUNCH_TIMEOUT_S)
+    results = pool_launch(_budget_rank, 8, args=(8, budget), timeout_s=LAUNCH_TIMEOUT_S)
     assert all(r["plan"].startswith("pp2×dp2×tp2") for r in results), results
     peaks = [r["peak"] for r in results]
     print(f"{count:,} parameters; budget {budget:,} B; training state {16 * count:,} B; "
