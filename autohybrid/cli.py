@@ -243,11 +243,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _write_files(args: argparse.Namespace, plan, measured=None, bench=None,
                  program=None) -> None:
-    """--report, --trace and --plots of `plan` (with the measured run, if any)."""
-    from .report.timeline import predicted_timeline, write_chrome_trace
-
+    """--report, --trace and --plots of `plan` (with the measured run, if any). The
+    predicted timeline (half a second for GPT-3's 1024 ranks) is built only for them."""
     if getattr(args, "report", None):
         _write_report(args.report, plan, measured=measured, bench=bench, program=program)
+    if not (getattr(args, "trace", None) or getattr(args, "plots", None)):
+        return
+    from .report.timeline import predicted_timeline, write_chrome_trace
+
     predicted = predicted_timeline(plan)
     if getattr(args, "trace", None):
         timelines = (measured, predicted) if measured is not None else (predicted,)

@@ -21,7 +21,7 @@ from autohybrid.search import planner
 from autohybrid.search.pricing import price
 from autohybrid.search.sharding import megatron_layout
 from autohybrid.search.space import profile
-from autohybrid.search.stages import partition, stage_costs
+from autohybrid.search.stages import _partition_loop, partition, stage_costs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import published_runs  # noqa: E402
@@ -44,6 +44,22 @@ def test_stage_partition_matches_brute_force_on_random_costs():
         assert slowest == pytest.approx(brute, abs=1e-12)
         assert len(starts) == stages and starts[0] == 0 and list(starts) == sorted(set(starts))
         assert max(stage_costs(costs, starts)) == pytest.approx(slowest, abs=1e-12)
+
+
+@pytest.mark.timeout(60)
+def test_stage_partition_vectorized_equals_the_scalar_loop():
+    """partition's numpy rows give the scalar DP's split exactly (ties included), so the
+    planner's stage boundaries, and with them its plans, did not change."""
+    rng = random.Random(1)
+    for _ in range(800):
+        n = rng.randint(1, 110)
+        block = rng.random()
+        costs = rng.choice([
+            [rng.random(), *[block] * max(0, n - 2), rng.random()][:n],   # repeated blocks
+            [float(rng.randint(0, 3)) for _ in range(n)],                  # many ties
+            [rng.random() * 10 ** rng.randint(-6, 3) for _ in range(n)]])
+        stages = rng.randint(1, n)
+        assert partition(costs, stages) == _partition_loop(costs, stages)
 
 
 def _captured(name: str, batch: int):

@@ -17,6 +17,9 @@ class _Cluster(Protocol):
 
 
 def _link(cluster: _Cluster, ranks: Sequence[int]) -> tuple[float, float]:
+    cached = getattr(cluster, "alpha_beta", None)  # the search's LinkCache: memoized
+    if cached is not None:
+        return cached(ranks)
     bandwidth, latency, sharing = cluster.link_for(list(ranks))
     return latency, sharing / bandwidth  # α, β (seconds per byte, slowed by NIC sharing)
 

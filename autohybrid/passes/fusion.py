@@ -45,6 +45,7 @@ Example::
 """
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 from dataclasses import dataclass
@@ -240,7 +241,16 @@ def _placeable(members: list[fx.Node], position: dict[fx.Node, int]) -> bool:
 
 
 def _shape(node: fx.Node) -> tuple[str, ...]:
-    return tuple(str(s) for s in node.meta[VAL].shape)
+    """The node's shape as text, what str() of each size gives. A symbolic size's text is
+    its sympy expression printed (`SymNode.str`), memoized per expression: printing is
+    most of what deciding GPT-3's regions costs, and its 96 blocks share a few sizes."""
+    return tuple(_expr_text(s.node.expr) if isinstance(s, torch.SymInt) else str(s)
+                 for s in node.meta[VAL].shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def _expr_text(expr: sympy.Basic) -> str:
+    return f"{expr}"
 
 
 def _fits_one_kernel(members: list[fx.Node], is_reduction: Predicate) -> bool:

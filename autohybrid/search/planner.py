@@ -353,7 +353,7 @@ def _pinned_starts(profile: ModelProfile, pinned: Constraints) -> tuple[int, ...
     return tuple(starts)
 
 
-def _variants(base: Layout, pinned: Constraints, cluster) -> Iterator[list[Layout]]:
+def _variants(base: Layout, pinned: Constraints, cluster) -> Iterator[Iterator[Layout]]:
     """`base` per ZeRO stage (and, for ZeRO 0, per dp all-reduce algorithm), each as its
     recompute levels none→selective→full.
 
@@ -370,8 +370,15 @@ def _variants(base: Layout, pinned: Constraints, cluster) -> Iterator[list[Layou
         zeros = [0]  # (Constraints refuses it with a pinned zero > 0)
     for zero in zeros:
         for algorithm in _algorithms(base, pinned, cluster, zero):
-            yield [replace(base, recompute=recompute, zero=zero,
-                           collective_algorithm=algorithm) for recompute in recomputes]
+            yield _levels(base, recomputes, zero, algorithm)
+
+
+def _levels(base: Layout, recomputes: list[str], zero: int,
+            algorithm: str) -> Iterator[Layout]:
+    """`base` at each recompute level, built only when asked for: the search stops at
+    the first level that fits, and most candidates fit without recomputation."""
+    for recompute in recomputes:
+        yield replace(base, recompute=recompute, zero=zero, collective_algorithm=algorithm)
 
 
 def _algorithms(base: Layout, pinned: Constraints, cluster, zero: int) -> list[str]:

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from operator import attrgetter
 from itertools import accumulate
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Sequence
 
 from ..cost import comm
@@ -58,19 +59,38 @@ MATERIALIZED_SAVED_PER_SCORE = 2 + 2 + 1
 
 
 class LinkCache:
-    """`cluster` with `link_for` memoized: the search asks for the same groups many times."""
+    """`cluster` with `link_for` and the (α, β) of cost/comm.py memoized: the search asks
+    for the same groups many times. The dp groups hold up to thousands of ranks, so a
+    group asked for again as the same tuple object (`dp_ranks` returns one per shape) is
+    found by identity before it is hashed."""
 
     def __init__(self, cluster):
         self.cluster = cluster
         self.devices_per_node = cluster.devices_per_node
         self.device = cluster.device
         self._links: dict[tuple[int, ...], object] = {}
+        self._alpha_beta: dict[tuple[int, ...], tuple[float, float]] = {}
+        self._by_id: dict[int, tuple[object, tuple[float, float]]] = {}
 
     def link_for(self, ranks):
         key = ranks if isinstance(ranks, tuple) else tuple(ranks)
         if key not in self._links:
             self._links[key] = self.cluster.link_for(key)
         return self._links[key]
+
+    def alpha_beta(self, ranks) -> tuple[float, float]:
+        """(latency, seconds per byte slowed by NIC sharing) of a collective on `ranks`."""
+        hit = self._by_id.get(id(ranks))
+        if hit is not None and hit[0] is ranks:
+            return hit[1]
+        key = ranks if isinstance(ranks, tuple) else tuple(ranks)
+        value = self._alpha_beta.get(key)
+        if value is None:
+            bandwidth, latency, sharing = self.link_for(key)
+            value = self._alpha_beta[key] = (latency, sharing / bandwidth)
+        if isinstance(ranks, tuple):  # immutable: safe to know by identity (kept alive)
+            self._by_id[id(ranks)] = (ranks, value)
+        return value
 
 
 @dataclass(frozen=True)
@@ -196,8 +216,10 @@ class Split:
         ranges = tuple(tuple((bounds[s], bounds[s + 1]) for s, r in enumerate(placement)
                              if r == rank) for rank in range(max(placement) + 1))
         per_rank = [[x for first, end in spans for x in times[first:end]] for spans in ranges]
-        sums = tuple(LayerTimes(*(sum(getattr(x, f.name) for x in layers)
-                                  for f in fields(LayerTimes))) for layers in per_rank)
+        # each field summed in layer order from 0, as sum(getattr(x, f) ...) would
+        row = attrgetter(*(f.name for f in fields(LayerTimes)))
+        sums = tuple(LayerTimes(*(sum(column) for column in zip(*map(row, layers))))
+                     for layers in per_rank)
         working = tuple(max(x.saved for x in layers) for layers in per_rank)
         return cls(tuple(starts), tuple(placement), ranges, sums, working)
 
@@ -372,14 +394,18 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
                         if t.chunks)
         cache[every] = (times, chunked)
     times, chunked = cache[every]
-    placement = stage_ranks(layout.schedule, mesh.pp, layout.virtual_stages)
+    ranks_key = ("stage ranks", layout.schedule, mesh.pp, layout.virtual_stages)
+    placement = cache.get(ranks_key)
+    if placement is None:
+        placement = cache[ranks_key] = stage_ranks(layout.schedule, mesh.pp,
+                                                   layout.virtual_stages)
     stages = stage_split(times, placement, stage_starts, cache, shape)
     loads = stages.loads
     slowest = max(loads)
     m = layout.num_microbatches
     idle = bubble(layout, stages.sums[loads.index(slowest)])
     compute = (m + idle) * slowest
-    p2p = _p2p(cluster, layout, stages, times, m)
+    p2p = _p2p(cluster, layout, stages, times, m, cache, every)
     limit = gather_min_mb(cluster, layout) * 2**20 if layout.recompute != "full" else 0.0
     held = _held(profile, stages, shape, cache, limit, graph_dtype_bytes)
     params_local, tensors = max(held.params), held.tensors
@@ -475,33 +501,59 @@ def _rank_params(profile: ModelProfile, ranges: tuple[tuple[int, int], ...], tp:
     parameters (`width` bytes each), as passes/zero.py places them."""
     key = ("params", ranges, tp, gather_limit, width)
     if key not in cache:
-        layers = [layer for first, end in ranges for layer in profile.layers[first:end]]
-        names = {name for layer in layers for name, _, _ in layer.params}
-        sizes, starts = [], []
-        for first, end in ranges:
-            reading = [layer for layer in profile.layers[first:end] if layer.params]
-            sizes += [profile.local_params([layer], tp) * width for layer in reading]
-            starts += [i == 0 for i in range(len(reading))]
-        cache[key] = (profile.local_params(layers, tp), len(names),
-                      len(gather_groups(sizes, starts, gather_limit)))
+        # the parameter count depends on neither the gather limit nor the width: shared
+        held = ("held params", ranges, tp)
+        if held not in cache:
+            layers = [layer for first, end in ranges for layer in profile.layers[first:end]]
+            names = {name for layer in layers for name, _, _ in layer.params}
+            cache[held] = (profile.local_params(layers, tp), len(names))
+        gathers = 0
+        if gather_limit:
+            sizes, starts = [], []
+            for first, end in ranges:
+                reading = [i for i in range(first, end) if profile.layers[i].params]
+                sizes += [_layer_params(profile, i, tp, cache) * width for i in reading]
+                starts += [i == 0 for i in range(len(reading))]
+            gathers = len(gather_groups(sizes, starts, gather_limit))
+        else:  # no limit: one gather per layer that reads parameters
+            gathers = sum(1 for first, end in ranges for layer in profile.layers[first:end]
+                          if layer.params)
+        cache[key] = (*cache[held], gathers)
     return cache[key]
 
 
-def _p2p(cluster, layout: Layout, stages: Split, times: list[LayerTimes], m: int) -> float:
+def _layer_params(profile: ModelProfile, index: int, tp: int, cache: dict) -> float:
+    """Parameters one tp rank holds of layer `index` (memoized per tp)."""
+    key = ("layer params", index, tp)
+    if key not in cache:
+        cache[key] = profile.local_params([profile.layers[index]], tp)
+    return cache[key]
+
+
+def _p2p(cluster, layout: Layout, stages: Split, times: list[LayerTimes], m: int,
+         cache: dict | None = None, times_key: tuple = ()) -> float:
     """Pipeline sends on the critical path: every microbatch's activation forward and its
     gradient backward, (m + p − 1) times as many as the busiest rank sends per microbatch
-    (a V-shaped schedule's turn stays on its rank)."""
+    (a V-shaped schedule's turn stays on its rank). `cache` keeps the busiest rank's
+    sends and the activation per split and `times_key` (what `times` were priced for)."""
     mesh = layout.mesh
     if mesh.pp == 1:
         return 0.0
-    placement = stages.placement
-    crossing = [s for s in range(1, len(placement)) if placement[s] != placement[s - 1]]
-    sends = [0] * mesh.pp
-    for s in crossing:
-        sends[placement[s - 1]] += 1
-    activation = max((times[stages.starts[s]].input for s in crossing), default=0.0)
+    key = ("p2p", stages.starts, stages.placement, times_key)
+    found = cache.get(key) if cache is not None and times_key else None
+    if found is None:
+        placement = stages.placement
+        crossing = [s for s in range(1, len(placement)) if placement[s] != placement[s - 1]]
+        sends = [0] * mesh.pp
+        for s in crossing:
+            sends[placement[s - 1]] += 1
+        activation = max((times[stages.starts[s]].input for s in crossing), default=0.0)
+        found = (max(sends), activation)
+        if cache is not None and times_key:
+            cache[key] = found
+    busiest, activation = found
     pair = [0, mesh.dp * mesh.tp]  # neighbouring stages' ranks (placement order)
-    hops = (m + mesh.pp - 1) * max(sends)
+    hops = (m + mesh.pp - 1) * busiest
     return 2 * hops * comm.send_recv(cluster, pair, activation)
 
 
@@ -520,7 +572,7 @@ def _ranks_memory_and_sync(cluster, layout: Layout, stages: Split, held: Held, d
     width = dtype_bytes(grad_reduce_dtype) if grad_reduce_dtype else max(4, dtype_bytes(dtype))
     for rank in held.distinct:
         local, sums = held.params[rank], stages.sums[rank]
-        state = training_state(local, dtype, optimizer, layout.zero, layout.mesh.dp)
+        state = _training_state(cache, local, dtype, optimizer, layout.zero, layout.mesh.dp)
         memory = _rank_memory(state, sums, stages.working[rank], layout, rank)
         if worst is None or memory.total > worst.total:
             worst = memory
@@ -531,6 +583,16 @@ def _ranks_memory_and_sync(cluster, layout: Layout, stages: Split, held: Held, d
     if key not in cache:
         cache[key] = _bucketed_sync(cluster, layout, tuple(syncs), overlap, gather_overlap)
     return (worst, *cache[key])
+
+
+def _training_state(cache: dict, local: float, dtype: str, optimizer: str, zero: int,
+                    dp: int) -> MemoryBreakdown:
+    """`training_state`, memoized in the search's `cache` (most candidates share it)."""
+    key = ("state", local, dtype, optimizer, zero, dp)
+    state = cache.get(key)
+    if state is None:
+        state = cache[key] = training_state(local, dtype, optimizer, zero, dp)
+    return state
 
 
 def _bucketed_sync(cluster, layout: Layout, syncs: tuple[tuple, ...], overlap: bool,
@@ -636,4 +698,6 @@ def _rank_memory(state: MemoryBreakdown, sums: LayerTimes, working: float, layou
     else:
         per_microbatch, working = sums.saved, 0.0
     activations = per_microbatch * in_flight(layout, rank) + working
-    return replace(state, activations=int(activations))
+    # (not dataclasses.replace: this runs for every rank of every candidate)
+    return MemoryBreakdown(params=state.params, grads=state.grads, optimizer=state.optimizer,
+                           activations=int(activations))
