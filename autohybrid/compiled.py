@@ -23,13 +23,15 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from . import passes as passes_mod
 from .ops import groups as ops_groups
 from .blame import StepFailure
 from .capture import CapturedGraph, _WithLoss, as_tuple, canonical_names, capture
 from .cluster import Cluster
 from .errors import AutohybridError, CaptureError, PlanError, RuntimeFailure
 from .plan import Constraints, NodeSharding, Plan
+from .planning import check_plan_fits_model, make_plan, optimizer_kind
+from .program import RankProgram
+from .rewrite import rewrite
 from .runtime.executor import Executor, check_same_plan
 from .runtime.groups import build_mesh, ensure_initialized
 from .runtime.pipeline import PipelineRunner, shared_grad_groups
@@ -49,8 +51,6 @@ class CompiledModel:
                  autocast: torch.dtype | None = None,
                  grad_scaler: torch.amp.GradScaler | bool | None = None,
                  init_seed: int | None = None, check: str | None = None):
-        from .api import check_plan_fits_model, make_plan, optimizer_kind
-
         ensure_initialized(cluster.world_size)
         self.model, self.cluster, self.loss_fn = model, cluster, loss_fn
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -109,10 +109,10 @@ class CompiledModel:
         self._groups = ops_groups.snapshot()  # bound again whenever this model runs
         self.coords = plan.mesh.coords(self.rank)
         self.graphs: dict[str, fx.GraphModule] = {}
-        self.notes: dict[str, dict[str, Any]] = {}
-        self.programs: dict[str, CapturedGraph] = {}
-        #: the program whose notes gave this rank's shards and stages: "train", a forward
-        #: kind until the training graph is captured, None without tp and pp
+        #: this rank's programs by kind: "train", "forward_train", "forward_eval"
+        self.programs: dict[str, RankProgram] = {}
+        #: the program that gave this rank's shards and stages: "train", a forward kind
+        #: until the training graph is captured, None without tp and pp
         self._layout_from: str | None = None
         self.executor: Executor | None = None
         if self._train is not None:
@@ -120,8 +120,8 @@ class CompiledModel:
         elif plan.mesh.tp > 1 or plan.mesh.pp > 1:
             # shards and stages from the forward graph until the first train_step
             self._rewrite(self._forward_kind(), self._forward_capture())
-        self._layout_from = next(iter(self.notes), None)
-        self._build_state(self.notes.get(self._layout_from, {}), named)
+        self._layout_from = next(iter(self.programs), None)
+        self._build_state(self.programs.get(self._layout_from), named)
         if optimizer_factory and (self.sharded is not None or self._owned is not None
                                   or self.zero is not None or self.materializer is not None):
             self._make_optimizer()  # this rank's part
@@ -131,10 +131,10 @@ class CompiledModel:
                                                  plan.num_microbatches)
 
     # ------------------------------------------------------------------ set-up helpers
-    def _build_state(self, notes: dict[str, Any], graph: CapturedGraph) -> None:
+    def _build_state(self, program: RankProgram | None, graph: CapturedGraph) -> None:
         """This rank's stages, tp shards, whole parameters of a meta model, ZeRO shards and
-        executor, from the notes of the program the layout comes from (`graph` names
-        the parameters and buffers the programs read)."""
+        executor, from the program the layout comes from (None: no program yet, neither
+        tp nor pp; `graph` names the parameters and buffers the programs read)."""
         plan, model, mesh = self.plan, self.model, self.mesh
         hooks = []
         if self.executor is not None:  # built again (_adopt_train_layout)
@@ -144,11 +144,11 @@ class CompiledModel:
         dp_group = mesh.get_group("dp") if mesh is not None and plan.mesh.dp > 1 else None
         state = graph.default_state(model)
         if plan.mesh.pp > 1:
-            self._owned = self._stage_params(notes)
+            self._owned = program.stage_params()
         zero3 = plan.zero == 3 and plan.mesh.dp > 1
         if plan.mesh.tp > 1:
             tp_group = mesh.get_group("tp") if mesh is not None else None
-            self.sharded = ShardedParameters(model, notes["param_shards"], tp_group,
+            self.sharded = ShardedParameters(model, program.param_shards, tp_group,
                                              plan.mesh.tp, None if zero3 else self._tp_shard)
             self.sharded.into_state(state)
         if self.materializer is not None and not zero3:  # this rank's whole parameters
@@ -174,7 +174,7 @@ class CompiledModel:
         if self.zero is not None and self.zero.stage < 3:
             self.optimizer.register_step_post_hook(lambda *_: self.zero.gather_params())
 
-    def _adopt_train_layout(self, notes: dict[str, Any]) -> None:
+    def _adopt_train_layout(self, program: RankProgram) -> None:
         """The training graph, captured at the first train_step, gives the shards and
         stages: the forward graph the compile-time ones came from is no valid source of the
         training layout (a vocabulary-parallel loss splits the output layer the forward
@@ -185,14 +185,14 @@ class CompiledModel:
         self._layout_from = "train"
         if self.sharded is None and self._owned is None:
             return
-        same = ((self.sharded is None or notes.get("param_shards", {}) == self.sharded.specs)
-                and (self._owned is None or self._stage_params(notes) == self._owned))
+        same = ((self.sharded is None or program.param_shards == self.sharded.specs)
+                and (self._owned is None or program.stage_params() == self._owned))
         if same:
             return
         old = self._optimizer_named()
-        self._build_state(notes, self._train)
+        self._build_state(program, self._train)
         for kind in [k for k in self.programs if k != "train"]:
-            del self.programs[kind], self.graphs[kind], self.notes[kind]
+            del self.programs[kind], self.graphs[kind]
         self._runners.clear()
         if self.optimizer is None:
             return
@@ -257,19 +257,13 @@ class CompiledModel:
         return self._trained_params()
 
     # ------------------------------------------------------------------ pipeline
-    def _stage_params(self, notes: dict[str, Any]) -> set[str]:
-        """Canonical names of the parameters the stages of this rank read."""
-        ranks = self.plan.stage_ranks()
-        return {name for stage in notes["pipeline"].stages
-                if ranks[stage.index] == self.coords[0] for name in stage.params}
-
     def _runner(self, kind: str) -> PipelineRunner | None:
         """This rank's pipeline stages for the program `kind` (None without pp)."""
         if self.plan.mesh.pp == 1:
             return None
         if kind not in self._runners:
-            notes = self.notes[kind]
-            owned = self._stage_params(notes)
+            program = self.programs[kind]
+            owned = program.stage_params()
             if owned != self._owned:
                 raise RuntimeFailure(
                     f"the {kind} graph puts other parameters on this rank's pipeline stages "
@@ -278,9 +272,9 @@ class CompiledModel:
                     "forward on the training layout's stages; call compiled(inputs) under a "
                     "plan without pipeline parallelism (Constraints(pp=1))")
             pp_group = self.mesh.get_group("pp") if self.mesh is not None else None
-            shared = shared_grad_groups(self.plan, notes["pipeline"]) if kind == "train" else {}
+            shared = shared_grad_groups(self.plan, program.pipeline) if kind == "train" else {}
             self._runners[kind] = PipelineRunner(
-                self.plan, notes["pipeline"], self.programs[kind], self.executor.state,
+                self.plan, program.pipeline, program.runnable, self.executor.state,
                 self.coords[0], pp_group, self.device, shared)
         return self._runners[kind]
 
@@ -349,38 +343,25 @@ class CompiledModel:
                 "would then cover one microbatch, not the global batch as in eager. Use one "
                 "microbatch (Constraints(num_microbatches=1))")
 
-    def _rewrite(self, kind: str, cap: CapturedGraph) -> CapturedGraph:
-        """Run the passes on `cap`'s graph; the result is this rank's program for `kind`.
-        (The search's trial program is not reused: reusing it trained LSTM/GRU under tp2
-        with wrong gradients, cause not yet found; see the session note of 2026-12-02.)"""
-        gm, notes = self._run_passes(cap, self._pass_plan(cap))
+    def _rewrite(self, kind: str, cap: CapturedGraph) -> RankProgram:
+        """Run the passes on `cap`'s graph (autohybrid/rewrite.py, on this job's groups);
+        the result is this rank's program for `kind`. (The search's trial program is not
+        reused: reusing it trained LSTM/GRU under tp2 with wrong gradients, cause not yet
+        found; see the session note of 2026-12-02.)"""
+        program = rewrite(cap, self._pass_plan(cap), self.rank,
+                          example_inputs=self.example_inputs)
         if self.materializer is not None:  # captured on meta, runs on this device
-            retarget_device(gm, self.device)
-            for stage in getattr(notes.get("pipeline"), "stages", ()):
+            retarget_device(program.gm, self.device)
+            for stage in program.pipeline.stages if program.pipeline is not None else ():
                 retarget_device(stage.gm, self.device)
         # the layout made from a forward graph gives way to the training graph's
         adopt = cap.with_loss and self._layout_from not in (None, "train")
         if self.sharded is not None and not adopt:
-            self.sharded.check_same(notes.get("param_shards", {}), kind)
-        outputs = list(cap.user_outputs)
-        if cap.with_loss:  # global_loss appended the denominator as the last output
-            outputs.append(len(cap.mutated_buffers) + len(cap.user_outputs))
-        program = dataclasses.replace(cap, gm=gm, user_outputs=outputs)
+            self.sharded.check_same(program.param_shards, kind)
         if adopt:
-            self._adopt_train_layout(notes)
-        self.graphs[kind], self.notes[kind], self.programs[kind] = gm, notes, program
+            self._adopt_train_layout(program)
+        self.graphs[kind], self.programs[kind] = program.gm, program
         return program
-
-    def _run_passes(self, cap: CapturedGraph, plan: Plan
-                    ) -> tuple[fx.GraphModule, dict[str, Any]]:
-        ctx = passes_mod.PassContext(plan=plan, rank=self.rank, coords=self.coords,
-                                     graph_kind="train" if cap.with_loss else "forward")
-        if cap.with_loss:
-            ctx.notes["loss_output_index"] = cap.user_outputs[0]
-        # under mixed precision the passes' fake values follow autocast, as the graph runs
-        with cap.autocast_context(self.example_inputs):
-            gm = passes_mod.run_passes(cap.gm, ctx, passes_mod.passes_for(ctx.graph_kind))
-        return gm, ctx.notes
 
     def _inputs(self, inputs: Any, what: str, expected: int | None) -> tuple:
         tensors = as_tuple(inputs)
@@ -414,8 +395,8 @@ class CompiledModel:
                                   f"{len(targets)}")
         for p in [*self._trained_params().values(), *self._optimizer_params()]:
             p.grad = None
-        result = self.executor.forward_backward(self.programs["train"],
-                                                self.notes["train"]["loss_kind"], inputs,
+        train = self.programs["train"]
+        result = self.executor.forward_backward(train.runnable, train.loss_kind, inputs,
                                                 targets, local, self._runner("train"))
         self.found_inf = result.found_inf
         return result.loss
@@ -540,7 +521,7 @@ class CompiledModel:
         tensors = self._inputs(inputs, "inputs", len(self.example_inputs))
         try:
             with torch.no_grad():
-                return self.executor.forward(program, tensors, self._runner(kind))
+                return self.executor.forward(program.runnable, tensors, self._runner(kind))
         except AutohybridError:
             raise
         except Exception as exc:  # torch's: name the node, its module and what to do
@@ -611,8 +592,8 @@ class CompiledModel:
         distinct region the fusion pass fused (passes/fusion.py), in the order it first
         fused them; empty when the pass is off or fused nothing."""
         keys: dict[str, None] = {}
-        for notes in self.notes.values():
-            for region in notes.get("fusion", ()):
+        for program in self.programs.values():
+            for region in program.fused_regions:
                 keys.setdefault(region.key, None)
         if not keys:
             return []

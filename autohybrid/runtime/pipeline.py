@@ -51,9 +51,8 @@ from ..capture import CapturedGraph
 from ..errors import AutohybridError, PlanError
 from ..graph import VAL
 from ..ops.zero import release_gathered
-from ..passes.pipeline_split import PipelineSplit, StageGraph
 from ..plan import Plan
-from .executor import tree_map
+from ..program import PipelineSplit, StageGraph
 
 SCHEDULE_CLASSES = {
     "gpipe": tpp.ScheduleGPipe,
@@ -408,3 +407,14 @@ def _metas(vals: Sequence[Any], requires_grad: Sequence[bool],
         t = torch.empty([_size(s, env) for s in val.shape], dtype=val.dtype, device="meta")
         out.append(t.requires_grad_(grad and t.is_floating_point()))
     return tuple(out)
+
+
+def tree_map(obj: Any, fn) -> Any:
+    """`fn` applied to every tensor of nested tuples, lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(tree_map(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return {k: tree_map(v, fn) for k, v in obj.items()}
+    return obj
