@@ -114,6 +114,17 @@ def make_plan(named: CapturedGraph, train: CapturedGraph | None, model: nn.Modul
     return search(profile, cluster, request, unsupported, executable_only, trial)
 
 
+def refuse_split_batch_norm(plan: Plan, gm: Any) -> None:
+    """Refuse microbatches under BatchNorm in training mode: its statistics would cover one
+    microbatch, not the global batch as in eager."""
+    if plan.num_microbatches > 1 and training_batch_norms(gm):
+        raise PlanError(
+            f"the plan splits each rank's batch into {plan.num_microbatches} "
+            "microbatches, but the model has BatchNorm in training mode: its statistics "
+            "would then cover one microbatch, not the global batch as in eager. Use one "
+            "microbatch (Constraints(num_microbatches=1))")
+
+
 def check_plan_fits_model(plan: Plan, graph: CapturedGraph, cluster: Cluster,
                           other: Callable[[], CapturedGraph] | None = None) -> None:
     """Refuse a plan made for another model or cluster, or that cannot run.

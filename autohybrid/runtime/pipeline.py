@@ -355,6 +355,22 @@ class PipelineRunner:
         return [[parts[k] for parts in split] for k in range(m)]
 
 
+def merge_stages(local: dict[str, Any], canonical: dict[str, str], owned: set[str],
+                 pp_group: dist.ProcessGroup, pp: int, device: torch.device) -> dict[str, Any]:
+    """`local` with every parameter entry taken from a pp rank whose stages own it (keys
+    map to canonical parameter names by `canonical`; other entries stay); every rank of
+    the pp group must call it."""
+    mine = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
+            for k, v in local.items() if canonical.get(k) in owned}
+    pieces: list[Any] = [None] * pp
+    dist.all_gather_object(pieces, mine, group=pp_group)
+    out = dict(local)
+    for piece in reversed(pieces):
+        out.update({k: (v.to(device) if isinstance(v, torch.Tensor) else v)
+                    for k, v in piece.items()})
+    return out
+
+
 def shared_grad_groups(plan: Plan, split: PipelineSplit) -> dict[str, dist.ProcessGroup]:
     """For each parameter that stages on several pp ranks read: the process group of those
     ranks at this rank's (dp, tp) coordinate. Every rank creates every group, in the same
