@@ -1,8 +1,9 @@
-"""Orchestration: capture → search → passes → runtime, behind `ah.plan` and `ah.compile`.
+"""`ah.plan` and `ah.compile`: user input checked, then the module that owns each step.
 
-Why this order: the Plan needs the captured graph's costs and hash; the passes need the
-Plan; the runtime needs the rewritten graphs and the Plan's mesh. Each step is a call to
-the module that owns it; this file only wires them and checks user input.
+Why this order: the Plan needs the captured graph's costs and hash (capture.py, then
+planning.py); the passes need the Plan (rewrite.py); the runtime needs the rewritten
+graphs and the Plan's mesh (compiled.py drives capture → plan → rewrite → runtime state
+for one rank). This file only wires them and checks user input.
 """
 from __future__ import annotations
 
@@ -15,8 +16,7 @@ from .capture import as_tuple, capture
 from .cluster import Cluster
 from .errors import AutohybridError, NotExecutableError, PlanError
 from .plan import Constraints, Plan
-from .planning import (check_plan_fits_model, dtype_name, make_plan,  # noqa: F401
-                       optimizer_kind)
+from .planning import dtype_name, make_plan
 from .runtime.precision import mixed_compute_dtype
 from .runtime.selfcheck import requested_check
 

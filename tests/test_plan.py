@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import autohybrid as ah
 from autohybrid import models, planning
-from autohybrid.api import make_plan
+from autohybrid.planning import make_plan
 from autohybrid.capture import capture
 from autohybrid.search.space import profile
 from autohybrid.cost.memory import MEMORY_HEADROOM, training_state, usable_bytes

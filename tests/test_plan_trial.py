@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import autohybrid as ah
 from autohybrid import models, ops, passes
-from autohybrid.api import make_plan
+from autohybrid.planning import make_plan
 from autohybrid.capture import capture
 from autohybrid.errors import AutohybridError
 from autohybrid.models.coverage import RNNLM, lm_loss

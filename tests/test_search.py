@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import autohybrid as ah
-from autohybrid.api import make_plan
+from autohybrid.planning import make_plan
 from autohybrid.capture import capture
 from autohybrid.cost.memory import usable_bytes
 from autohybrid.features import unsupported

@@ -28,7 +28,7 @@ import autohybrid as ah
 from _limits import guard
 from _pool import launch as pool_launch
 from _equiv import OPTIMIZERS, Failures, lm_loss, report, train_and_compare
-from autohybrid.api import make_plan
+from autohybrid.planning import make_plan
 from autohybrid.capture import capture
 from autohybrid.models.coverage import RNNLM
 from autohybrid.search.sharding import linear_parts, param_key, propagate_layout
