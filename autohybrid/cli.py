@@ -283,11 +283,11 @@ def inspect_data(plan, rank: int, show_pass: str | None = None) -> tuple[dict[st
     mine = program.params()
     shards = {name: {"dim": spec.dim, "size": spec.size, "shard": spec.index,
                      "of": spec.ways, "local_size": spec.shard_size}
-              for name, spec in sorted(program.notes.get("param_shards", {}).items())
+              for name, spec in sorted(program.param_shards.items())
               if name in mine}
     passes = []
     previous = {"train": program.captured.gm}
-    for name, snapshot in program.passes:
+    for name, snapshot in program.snapshots:
         graphs = program.mine(snapshot)
         created = sum(1 for gm in graphs.values() for node in gm.graph.nodes
                       if node.meta.get("ah_pass") == name)

@@ -1,7 +1,9 @@
 """The compiled model users hold: `train_step`, `__call__`, gathered state, `explain`.
 
-It sits beside api.py (it orchestrates capture → plan → passes → runtime for one rank);
-the runtime/ modules it drives know nothing about it.
+`__init__` is the compile pipeline for one rank, each step a call to the module that owns
+it: capture (capture.py) → plan (planning.py) → rewrite (rewrite.py: the passes, a
+frozen RankProgram per graph kind) → runtime state (runtime/). api.py sits above it and
+checks user input; the runtime/ modules it drives know nothing about it.
 
 Built on every rank from the same model, cluster and options. It owns the captured
 graphs, the rewritten per-rank graphs, the mesh and the executor. Parameters the tp axis
@@ -23,20 +25,23 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from . import passes as passes_mod
 from .ops import groups as ops_groups
 from .blame import StepFailure
 from .capture import CapturedGraph, _WithLoss, as_tuple, canonical_names, capture
 from .cluster import Cluster
-from .errors import AutohybridError, CaptureError, PlanError, RuntimeFailure
+from .errors import AutohybridError, CaptureError, RuntimeFailure
 from .plan import Constraints, NodeSharding, Plan
+from .planning import (check_plan_fits_model, make_plan, optimizer_kind,
+                       refuse_split_batch_norm)
+from .program import RankProgram
+from .rewrite import rewrite
 from .runtime.executor import Executor, check_same_plan
 from .runtime.groups import build_mesh, ensure_initialized, from_rank_zero
-from .runtime.pipeline import PipelineRunner, shared_grad_groups
+from .runtime.pipeline import PipelineRunner, merge_stages, shared_grad_groups
 from .runtime.tp_state import ShardedParameters
 from .init import replace_parameters
 from .runtime.materialize import Materializer, retarget_device
-from .runtime.precision import LossScaler
+from .runtime.precision import loss_scaler
 from .runtime.selfcheck import check_mode, make_check
 from .runtime.zero import ZeroShards
 
@@ -49,9 +54,41 @@ class CompiledModel:
                  autocast: torch.dtype | None = None,
                  grad_scaler: torch.amp.GradScaler | bool | None = None,
                  init_seed: int | None = None, check: str | None = None):
-        from .api import check_plan_fits_model, make_plan, optimizer_kind
-
         ensure_initialized(cluster.world_size)
+        self._set_up(model, cluster, loss_fn, example_inputs, optimizer_factory, autocast,
+                     grad_scaler, init_seed)
+        named = self._capture_at_compile(example_targets)                    # capture
+        self.optimizer = (optimizer_factory(list(self._trained_params().values()))
+                          if optimizer_factory and self.materializer is None else None)
+        self.plan = plan = self._plan(named, plan, constraints, global_batch)  # plan
+        #: check=...: the first step against eager (its copy taken before any sharding)
+        self._check = make_check(check_mode(check, plan, _param_bytes(model),
+                                            cluster.device.memory_bytes),
+                                 model, plan, self.rank, init_seed, autocast)
+        refuse_split_batch_norm(plan, (self._train or self._forward_capture()).gm)
+        check_same_plan(plan.hash())
+        self.mesh = build_mesh(plan, cluster.device_type)
+        self._groups = ops_groups.snapshot()  # bound again whenever this model runs
+        self.coords = plan.mesh.coords(self.rank)
+        if self._train is not None:                                            # rewrite
+            self._rewrite("train", self._train)
+        elif plan.mesh.tp > 1 or plan.mesh.pp > 1:
+            # shards and stages from the forward graph until the first train_step
+            self._rewrite(self._forward_kind(), self._forward_capture())
+        self._layout_from = next(iter(self.programs), None)
+        self._build_state(self.programs.get(self._layout_from), named)       # runtime state
+        if optimizer_factory and (self.sharded is not None or self._owned is not None
+                                  or self.zero is not None or self.materializer is not None):
+            self._make_optimizer()  # this rank's part
+        if self._check is not None and self._train is not None:
+            self._check.refuse_unless_comparable(self._train.gm, plan.mesh.dp,
+                                                 plan.num_microbatches)
+
+    # ------------------------------------------------------------------ set-up helpers
+    def _set_up(self, model: nn.Module, cluster: Cluster, loss_fn: Callable | None,
+                example_inputs: tuple, optimizer_factory: Callable | None,
+                autocast: torch.dtype | None, grad_scaler: Any, init_seed: int | None) -> None:
+        """The model on this rank's device and the (still empty) per-rank state."""
         self.model, self.cluster, self.loss_fn = model, cluster, loss_fn
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self._move_to_device()
@@ -60,82 +97,65 @@ class CompiledModel:
                              if _on_meta(model) else None)
         self.example_inputs = tuple(t.to(self.device) for t in example_inputs)
         self._forward_captures: dict[bool, CapturedGraph] = {}
+        self._train: CapturedGraph | None = None
         self.sharded: ShardedParameters | None = None  # this rank's shards (tp > 1)
         self._owned: set[str] | None = None  # parameters of this rank's stages (pp > 1)
         self.zero: ZeroShards | None = None  # this rank's dp shards (ZeRO ≥ 1, dp > 1)
         self._runners: dict[str, PipelineRunner] = {}
         #: mixed precision: the graphs run under autocast to this dtype (capture.py)
         self.autocast = autocast
-        self.scaler = _loss_scaler(autocast, grad_scaler)
+        self.scaler = loss_scaler(autocast, grad_scaler)
         self.optimizer_factory = optimizer_factory
-        # What is captured now: with example_targets only the training graph (model +
-        # loss), which the plan is made on and names; the forward without targets is
-        # captured when compiled(inputs) first runs (some models cannot run without their
-        # targets: T5 derives its decoder inputs from labels). Without them the forward
-        # graph, which the plan is made on; the training graph comes from the first
-        # train_step's batch and then gives the shards and stages (_adopt_train_layout).
-        # The plan names a graph in the model's own precision (as ah.plan, also on meta
-        # devices, captures it); under mixed precision the programs run under autocast.
-        self._train: CapturedGraph | None = None
-        if example_targets is not None:
-            targets = tuple(t.to(self.device) for t in as_tuple(example_targets))
-            self._train = capture(model, self.example_inputs, loss_fn, targets,
-                                  autocast=autocast)
-            named = (self._train if autocast is None
-                     else capture(model, self.example_inputs, loss_fn, targets))
-        else:
-            named = capture(model, self.example_inputs, with_loss=False)
-            if autocast is None:
-                self._forward_captures[model.training] = named
-        self.optimizer = (optimizer_factory(list(self._trained_params().values()))
-                          if optimizer_factory and self.materializer is None else None)
-        if plan is None:  # searched once, on rank 0 (the search is deterministic)
-            kind = optimizer_kind(self.optimizer)
-            plan = from_rank_zero(lambda: make_plan(
-                named, self._train, model, cluster, self.example_inputs, global_batch,
-                autocast, constraints, kind, executable_only=True))
-        else:  # a plan made without targets names the forward graph: captured if so
-            forward = lambda: capture(model, self.example_inputs, with_loss=False)  # noqa: E731
-            check_plan_fits_model(plan, named, cluster,
-                                  other=forward if named.with_loss else None)
-        self.plan = plan
-        #: check=...: the first step against eager (its copy taken before any sharding)
-        self._check = make_check(check_mode(check, plan, _param_bytes(model),
-                                            cluster.device.memory_bytes),
-                                 model, plan, self.rank, init_seed, autocast)
-        self._check_batch_norm_microbatches()
-        check_same_plan(plan.hash())
-        mesh = build_mesh(plan, cluster.device_type)
-        self.mesh = mesh
-        self._groups = ops_groups.snapshot()  # bound again whenever this model runs
-        self.coords = plan.mesh.coords(self.rank)
         self.graphs: dict[str, fx.GraphModule] = {}
-        self.notes: dict[str, dict[str, Any]] = {}
-        self.programs: dict[str, CapturedGraph] = {}
-        #: the program whose notes gave this rank's shards and stages: "train", a forward
-        #: kind until the training graph is captured, None without tp and pp
+        #: this rank's programs by kind: "train", "forward_train", "forward_eval"
+        self.programs: dict[str, RankProgram] = {}
+        #: the program that gave this rank's shards and stages: "train", a forward kind
+        #: until the training graph is captured, None without tp and pp
         self._layout_from: str | None = None
         self.executor: Executor | None = None
-        if self._train is not None:
-            self._rewrite("train", self._train)
-        elif plan.mesh.tp > 1 or plan.mesh.pp > 1:
-            # shards and stages from the forward graph until the first train_step
-            self._rewrite(self._forward_kind(), self._forward_capture())
-        self._layout_from = next(iter(self.notes), None)
-        self._build_state(self.notes.get(self._layout_from, {}), named)
-        if optimizer_factory and (self.sharded is not None or self._owned is not None
-                                  or self.zero is not None or self.materializer is not None):
-            self._make_optimizer()  # this rank's part
         self.found_inf = False  # the last step's gradients overflowed (fp16): it was skipped
-        if self._check is not None and self._train is not None:
-            self._check.refuse_unless_comparable(self._train.gm, plan.mesh.dp,
-                                                 plan.num_microbatches)
 
-    # ------------------------------------------------------------------ set-up helpers
-    def _build_state(self, notes: dict[str, Any], graph: CapturedGraph) -> None:
+    def _capture_at_compile(self, example_targets: Any) -> CapturedGraph:
+        """Capture what compile needs now; returns the graph the plan is made on and names.
+
+        With example_targets only the training graph (model + loss), which the plan is
+        made on and names; the forward without targets is captured when compiled(inputs)
+        first runs (some models cannot run without their targets: T5 derives its decoder
+        inputs from labels). Without them the forward graph, which the plan is made on;
+        the training graph comes from the first train_step's batch and then gives the
+        shards and stages (_adopt_train_layout). The plan names a graph in the model's
+        own precision (as ah.plan, also on meta devices, captures it); under mixed
+        precision the programs run under autocast."""
+        model, inputs, autocast = self.model, self.example_inputs, self.autocast
+        if example_targets is None:
+            named = capture(model, inputs, with_loss=False)
+            if autocast is None:
+                self._forward_captures[model.training] = named
+            return named
+        targets = tuple(t.to(self.device) for t in as_tuple(example_targets))
+        self._train = capture(model, inputs, self.loss_fn, targets, autocast=autocast)
+        return (self._train if autocast is None
+                else capture(model, inputs, self.loss_fn, targets))
+
+    def _plan(self, named: CapturedGraph, plan: Plan | None, constraints: Constraints | None,
+              global_batch: int | None) -> Plan:
+        """The plan searched on the captured graphs (planning.py), or the given one checked
+        against them."""
+        if plan is None:  # searched once, on rank 0 (the search is deterministic)
+            kind = optimizer_kind(self.optimizer)
+            return from_rank_zero(lambda: make_plan(
+                named, self._train, self.model, self.cluster, self.example_inputs,
+                global_batch, self.autocast, constraints, kind, executable_only=True))
+        # a plan made without targets names the forward graph: captured if so
+        forward = lambda: capture(self.model, self.example_inputs, with_loss=False)  # noqa: E731
+        check_plan_fits_model(plan, named, self.cluster,
+                              other=forward if named.with_loss else None)
+        return plan
+
+    def _build_state(self, program: RankProgram | None, graph: CapturedGraph) -> None:
         """This rank's stages, tp shards, whole parameters of a meta model, ZeRO shards and
-        executor, from the notes of the program the layout comes from (`graph` names
-        the parameters and buffers the programs read)."""
+        executor, from the program the layout comes from (None: no program yet, neither
+        tp nor pp; `graph` names the parameters and buffers the programs read)."""
         plan, model, mesh = self.plan, self.model, self.mesh
         hooks = []
         if self.executor is not None:  # built again (_adopt_train_layout)
@@ -145,11 +165,11 @@ class CompiledModel:
         dp_group = mesh.get_group("dp") if mesh is not None and plan.mesh.dp > 1 else None
         state = graph.default_state(model)
         if plan.mesh.pp > 1:
-            self._owned = self._stage_params(notes)
+            self._owned = program.stage_params()
         zero3 = plan.zero == 3 and plan.mesh.dp > 1
         if plan.mesh.tp > 1:
             tp_group = mesh.get_group("tp") if mesh is not None else None
-            self.sharded = ShardedParameters(model, notes["param_shards"], tp_group,
+            self.sharded = ShardedParameters(model, program.param_shards, tp_group,
                                              plan.mesh.tp, None if zero3 else self._tp_shard)
             self.sharded.into_state(state)
         if self.materializer is not None and not zero3:  # this rank's whole parameters
@@ -175,7 +195,7 @@ class CompiledModel:
         if self.zero is not None and self.zero.stage < 3:
             self.optimizer.register_step_post_hook(lambda *_: self.zero.gather_params())
 
-    def _adopt_train_layout(self, notes: dict[str, Any]) -> None:
+    def _adopt_train_layout(self, program: RankProgram) -> None:
         """The training graph, captured at the first train_step, gives the shards and
         stages: the forward graph the compile-time ones came from is no valid source of the
         training layout (a vocabulary-parallel loss splits the output layer the forward
@@ -186,14 +206,14 @@ class CompiledModel:
         self._layout_from = "train"
         if self.sharded is None and self._owned is None:
             return
-        same = ((self.sharded is None or notes.get("param_shards", {}) == self.sharded.specs)
-                and (self._owned is None or self._stage_params(notes) == self._owned))
+        same = ((self.sharded is None or program.param_shards == self.sharded.specs)
+                and (self._owned is None or program.stage_params() == self._owned))
         if same:
             return
         old = self._optimizer_named()
-        self._build_state(notes, self._train)
+        self._build_state(program, self._train)
         for kind in [k for k in self.programs if k != "train"]:
-            del self.programs[kind], self.graphs[kind], self.notes[kind]
+            del self.programs[kind], self.graphs[kind]
         self._runners.clear()
         if self.optimizer is None:
             return
@@ -258,19 +278,13 @@ class CompiledModel:
         return self._trained_params()
 
     # ------------------------------------------------------------------ pipeline
-    def _stage_params(self, notes: dict[str, Any]) -> set[str]:
-        """Canonical names of the parameters the stages of this rank read."""
-        ranks = self.plan.stage_ranks()
-        return {name for stage in notes["pipeline"].stages
-                if ranks[stage.index] == self.coords[0] for name in stage.params}
-
     def _runner(self, kind: str) -> PipelineRunner | None:
         """This rank's pipeline stages for the program `kind` (None without pp)."""
         if self.plan.mesh.pp == 1:
             return None
         if kind not in self._runners:
-            notes = self.notes[kind]
-            owned = self._stage_params(notes)
+            program = self.programs[kind]
+            owned = program.stage_params()
             if owned != self._owned:
                 raise RuntimeFailure(
                     f"the {kind} graph puts other parameters on this rank's pipeline stages "
@@ -279,26 +293,11 @@ class CompiledModel:
                     "forward on the training layout's stages; call compiled(inputs) under a "
                     "plan without pipeline parallelism (Constraints(pp=1))")
             pp_group = self.mesh.get_group("pp") if self.mesh is not None else None
-            shared = shared_grad_groups(self.plan, notes["pipeline"]) if kind == "train" else {}
+            shared = shared_grad_groups(self.plan, program.pipeline) if kind == "train" else {}
             self._runners[kind] = PipelineRunner(
-                self.plan, notes["pipeline"], self.programs[kind], self.executor.state,
+                self.plan, program.pipeline, program.runnable, self.executor.state,
                 self.coords[0], pp_group, self.device, shared)
         return self._runners[kind]
-
-    def _merge_stages(self, local: dict[str, Any], canonical: dict[str, str]) -> dict[str, Any]:
-        """`local` with every parameter entry taken from a pp rank whose stages own it
-        (keys map to canonical parameter names by `canonical`; other entries stay)."""
-        if self.plan.mesh.pp == 1 or self.mesh is None:
-            return local
-        mine = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
-                for k, v in local.items() if canonical.get(k) in self._owned}
-        pieces: list[Any] = [None] * self.plan.mesh.pp
-        dist.all_gather_object(pieces, mine, group=self.mesh.get_group("pp"))
-        out = dict(local)
-        for piece in reversed(pieces):
-            out.update({k: (v.to(self.device) if isinstance(v, torch.Tensor) else v)
-                        for k, v in piece.items()})
-        return out
 
     def _forward_kind(self) -> str:
         return f"forward_{'train' if self.model.training else 'eval'}"
@@ -340,48 +339,25 @@ class CompiledModel:
                     f"The capture without targets: {exc}") from exc
         return self._forward_captures[mode]
 
-    def _check_batch_norm_microbatches(self) -> None:
-        from .passes.sync_batch_norm import training_batch_norms
-        graph = self._train or self._forward_capture()
-        if self.plan.num_microbatches > 1 and training_batch_norms(graph.gm):
-            raise PlanError(
-                f"the plan splits each rank's batch into {self.plan.num_microbatches} "
-                "microbatches, but the model has BatchNorm in training mode: its statistics "
-                "would then cover one microbatch, not the global batch as in eager. Use one "
-                "microbatch (Constraints(num_microbatches=1))")
-
-    def _rewrite(self, kind: str, cap: CapturedGraph) -> CapturedGraph:
-        """Run the passes on `cap`'s graph; the result is this rank's program for `kind`.
-        (The search's trial program is not reused: reusing it trained LSTM/GRU under tp2
-        with wrong gradients, cause not yet found; see the session note of 2026-12-02.)"""
-        gm, notes = self._run_passes(cap, self._pass_plan(cap))
+    def _rewrite(self, kind: str, cap: CapturedGraph) -> RankProgram:
+        """Run the passes on `cap`'s graph (autohybrid/rewrite.py, on this job's groups);
+        the result is this rank's program for `kind`. (The search's trial program is not
+        reused: reusing it trained LSTM/GRU under tp2 with wrong gradients, cause not yet
+        found; see the session note of 2026-12-02.)"""
+        program = rewrite(cap, self._pass_plan(cap), self.rank,
+                          example_inputs=self.example_inputs)
         if self.materializer is not None:  # captured on meta, runs on this device
-            retarget_device(gm, self.device)
-            for stage in getattr(notes.get("pipeline"), "stages", ()):
+            retarget_device(program.gm, self.device)
+            for stage in program.pipeline.stages if program.pipeline is not None else ():
                 retarget_device(stage.gm, self.device)
         # the layout made from a forward graph gives way to the training graph's
         adopt = cap.with_loss and self._layout_from not in (None, "train")
         if self.sharded is not None and not adopt:
-            self.sharded.check_same(notes.get("param_shards", {}), kind)
-        outputs = list(cap.user_outputs)
-        if cap.with_loss:  # global_loss appended the denominator as the last output
-            outputs.append(len(cap.mutated_buffers) + len(cap.user_outputs))
-        program = dataclasses.replace(cap, gm=gm, user_outputs=outputs)
+            self.sharded.check_same(program.param_shards, kind)
         if adopt:
-            self._adopt_train_layout(notes)
-        self.graphs[kind], self.notes[kind], self.programs[kind] = gm, notes, program
+            self._adopt_train_layout(program)
+        self.graphs[kind], self.programs[kind] = program.gm, program
         return program
-
-    def _run_passes(self, cap: CapturedGraph, plan: Plan
-                    ) -> tuple[fx.GraphModule, dict[str, Any]]:
-        ctx = passes_mod.PassContext(plan=plan, rank=self.rank, coords=self.coords,
-                                     graph_kind="train" if cap.with_loss else "forward")
-        if cap.with_loss:
-            ctx.notes["loss_output_index"] = cap.user_outputs[0]
-        # under mixed precision the passes' fake values follow autocast, as the graph runs
-        with cap.autocast_context(self.example_inputs):
-            gm = passes_mod.run_passes(cap.gm, ctx, passes_mod.passes_for(ctx.graph_kind))
-        return gm, ctx.notes
 
     def _inputs(self, inputs: Any, what: str, expected: int | None) -> tuple:
         tensors = as_tuple(inputs)
@@ -415,8 +391,8 @@ class CompiledModel:
                                   f"{len(targets)}")
         for p in [*self._trained_params().values(), *self._optimizer_params()]:
             p.grad = None
-        result = self.executor.forward_backward(self.programs["train"],
-                                                self.notes["train"]["loss_kind"], inputs,
+        train = self.programs["train"]
+        result = self.executor.forward_backward(train.runnable, train.loss_kind, inputs,
                                                 targets, local, self._runner("train"))
         self.found_inf = result.found_inf
         return result.loss
@@ -541,7 +517,7 @@ class CompiledModel:
         tensors = self._inputs(inputs, "inputs", len(self.example_inputs))
         try:
             with torch.no_grad():
-                return self.executor.forward(program, tensors, self._runner(kind))
+                return self.executor.forward(program.runnable, tensors, self._runner(kind))
         except AutohybridError:
             raise
         except Exception as exc:  # torch's: name the node, its module and what to do
@@ -562,7 +538,7 @@ class CompiledModel:
             canonical = canonical_names(self.model)
             state = {k: (local[canonical[k]].clone() if canonical.get(k) in local
                          else v.detach().clone()) for k, v in self.model.state_dict().items()}
-        return self._merge_stages(state, canonical_names(self.model))
+        return self._merged(state)
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """The gradients of the last step, whole, keyed like `model.named_parameters()`
@@ -578,7 +554,14 @@ class CompiledModel:
             for n, p in self.model.named_parameters():
                 grad = local[canonical[n]] if canonical[n] in local else p.grad
                 grads[n] = None if grad is None else grad.detach().clone()
-        return self._merge_stages(grads, canonical_names(self.model))
+        return self._merged(grads)
+
+    def _merged(self, local: dict[str, Any]) -> dict[str, Any]:
+        """`local` with every parameter entry taken from a pp rank whose stages own it."""
+        if self.plan.mesh.pp == 1 or self.mesh is None:
+            return local
+        return merge_stages(local, canonical_names(self.model), self._owned,
+                            self.mesh.get_group("pp"), self.plan.mesh.pp, self.device)
 
     def _stage_full(self, grads: bool) -> dict[str, Any]:
         """The parameters (or gradients) of this rank's pipeline stages, whole: tp shards
@@ -612,8 +595,8 @@ class CompiledModel:
         distinct region the fusion pass fused (passes/fusion.py), in the order it first
         fused them; empty when the pass is off or fused nothing."""
         keys: dict[str, None] = {}
-        for notes in self.notes.values():
-            for region in notes.get("fusion", ()):
+        for program in self.programs.values():
+            for region in program.fused_regions:
                 keys.setdefault(region.key, None)
         if not keys:
             return []
@@ -634,23 +617,6 @@ class CompiledModel:
         Timeline (runtime/profile.py `profile_steps`; call on every rank)."""
         from .runtime.profile import profile_steps
         return profile_steps(self, batches, steps, **kwargs)
-
-
-def _loss_scaler(autocast: torch.dtype | None,
-                 grad_scaler: torch.amp.GradScaler | bool | None) -> LossScaler | None:
-    """fp16 mixed precision scales the loss (GradScaler's defaults, or `grad_scaler`'s
-    settings); False turns it off; other dtypes need none."""
-    if autocast != torch.float16 or grad_scaler is False:
-        if isinstance(grad_scaler, torch.amp.GradScaler):
-            raise AutohybridError("grad_scaler is for float16 mixed precision "
-                                  "(ah.compile(..., dtype=torch.float16))")
-        return None
-    if isinstance(grad_scaler, torch.amp.GradScaler):
-        return LossScaler.like(grad_scaler)
-    if grad_scaler not in (None, True):
-        raise AutohybridError(f"grad_scaler must be a torch.amp.GradScaler, True, False or "
-                              f"None, got {type(grad_scaler).__name__}")
-    return LossScaler()
 
 
 def _param_bytes(model: nn.Module) -> int:

@@ -263,23 +263,27 @@ class GraphFormatError(AssertionError):
     """`verify` found a graph that is not in the one format (a bug in a pass)."""
 
 
-def verify(gm: fx.GraphModule, pass_name: str = "capture") -> None:
+def verify(gm: fx.GraphModule, pass_name: str = "capture", received: int = 0) -> None:
     """Check the invariants every pass must keep; raise GraphFormatError naming the node.
 
     - the fx graph lints (def-before-use, one output);
     - every call_function target is an ATen/prim/autohybrid OpOverload or `operator.getitem`
       (or an autohybrid op function, or arithmetic on symbolic sizes: `SYM_SIZE_OPS`);
-    - every placeholder has a role and a fake value; every tensor-producing node has one;
+    - every placeholder has a role and a fake value (the first `received` of a pipeline
+      stage's graph, values another stage sends, carry their producer's meta and no
+      role); every tensor-producing node has a fake value;
     - every node a pass created says which pass (`meta["ah_pass"]`).
     """
     try:
         gm.graph.lint()
     except Exception as exc:  # fx raises RuntimeError with its own message
         raise GraphFormatError(f"after pass {pass_name!r}: graph does not lint: {exc}") from exc
+    placeholders = 0
     for node in gm.graph.nodes:
         where = f"after pass {pass_name!r}, node {node.name!r} ({op_name(node)})"
         if node.op == "placeholder":
-            if node.meta.get(AH_ROLE) is None:
+            placeholders += 1
+            if node.meta.get(AH_ROLE) is None and placeholders > received:
                 raise GraphFormatError(f"{where}: placeholder without meta['{AH_ROLE}']")
             if node.meta.get(VAL) is None:
                 raise GraphFormatError(f"{where}: placeholder without a fake value")

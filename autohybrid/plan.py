@@ -39,6 +39,10 @@ OPTIMIZERS = ("adam", "sgd", "none")
 REDUCE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
+#: The mesh axes in rank order: a rank's coordinates are (pp, dp, tp), tp fastest.
+AXES = ("pp", "dp", "tp")
+
+
 @dataclass(frozen=True)
 class Mesh:
     """Degrees of the mesh axes ("pp", "dp", "tp"); sp runs on the tp axis."""

@@ -545,7 +545,7 @@ def run_training(config: dict, batch: int, device: str, dtype: torch.dtype, step
                     os.environ["AUTOHYBRID_DISABLE_PASSES"] = saved
         out[f"{label} loss"] = first
         out[label] = _step_time(lambda: compiled.train_step((inputs,), targets), steps, timer)
-        regions = compiled.notes.get("train", {}).get("fusion", [])
+        regions = compiled.programs["train"].fused_regions if "train" in compiled.programs else ()
         out["notes"][label] = (f"{len(regions)} fused regions, {len(compiled.kernels)} "
                                f"kernels; plan {compiled.plan.mesh}")
     return out

@@ -168,7 +168,7 @@ def run_rank(rank: int, world: int, config: dict, batch: int, steps: int, warmup
     # warm-up first (autohybrid captures its train graph)
     runs = _alternate({"ah": compiled.train_step, "dt": dtensor.step}, data, False)
     out = {**_pair(runs, "ah", "dt", warmup),
-           "ah_split": sorted(compiled.notes["train"]["param_shards"]),
+           "ah_split": sorted(compiled.programs["train"].param_shards),
            "mesh": compiled.plan.mesh.describe()}
     return _with_eager(rank, out, config, data, warmup)
 

@@ -33,7 +33,7 @@ import time
 import torch
 
 import autohybrid as ah
-from autohybrid.api import make_plan
+from autohybrid.planning import make_plan
 from autohybrid.capture import capture
 from autohybrid.errors import PlanError
 

@@ -66,7 +66,7 @@ def test_gpt3_175b_rank_holds_shards_only(gpt3):
     report, _ = gpt3
     assert report.shape_mismatches == []
     shapes = report.local_shapes
-    specs = report.notes["param_shards"]
+    specs = report.program.param_shards
     assert shapes["blocks.0.attn.qkv.weight"] == (3 * HIDDEN // 8, HIDDEN)
     assert shapes["blocks.95.mlp.proj.weight"] == (HIDDEN, 4 * HIDDEN // 8)
     assert shapes["tok_emb.weight"] == (VOCAB // 8, HIDDEN)

@@ -339,7 +339,7 @@ def _interpreted_rank(rank: int, world: int, constraints: ah.Constraints | None)
                     compiled.plan.mesh.tp == (constraints.tp if constraints else 1))
         fused = _ops(compiled.graphs["train"]).count(FUSED)
         fails.check(f"{case}: {fused} fused nodes", fused == 5)
-        keys = {r.key for r in compiled.notes["train"]["fusion"]}
+        keys = {r.key for r in compiled.programs["train"].fused_regions}
         fails.check(f"{case}: kernels {[k.key for k in compiled.kernels]} vs regions {keys}",
                     {k.key for k in compiled.kernels} == keys and len(keys) >= 2)
     fails.check(f"{len(launched)} kernel launches, interpreted: {set(launched)}",

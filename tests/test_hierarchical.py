@@ -152,7 +152,7 @@ def gpt():
 
 
 def _gpt_plan(gpt, cluster: ah.Cluster, **pinned) -> Plan:
-    from autohybrid.api import make_plan
+    from autohybrid.planning import make_plan
     forward, model, inputs = gpt
     return make_plan(forward, None, model, cluster, inputs, None, None,
                      ah.Constraints(**pinned), "adam", executable_only=False)

@@ -149,12 +149,12 @@ def _check_plan(fails: Failures, case: Case, compiled) -> None:
                 f"boundaries) is {got}", got == want)
     stage = compiled.zero.stage if compiled.zero is not None else 0
     fails.check(f"{case.name}: ZeRO shards of stage {stage}", stage == case.zero)
-    split = compiled.notes["train"].get("pipeline")
+    split = compiled.programs["train"].pipeline
     gms = [s.gm for s in split.stages] if split is not None else [compiled.graphs["train"]]
     regions = sum(n.target is checkpoint_region for gm in gms for n in gm.graph.nodes)
     fails.check(f"{case.name}: {regions} checkpointed regions",
                 (regions > 0) == (case.recompute != "none"))
-    chunked = compiled.notes["train"].get("collective_matmuls", 0)
+    chunked = compiled.programs["train"].collective_matmuls
     fails.check(f"{case.name}: dp all-reduce {plan.collective_algorithm}",
                 plan.collective_algorithm == case.algorithm)
     fails.check(f"{case.name}: {chunked} collective matmuls (plan: "

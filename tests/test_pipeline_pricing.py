@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import autohybrid as ah
 from autohybrid.capture import capture
 from autohybrid.plan import Mesh, schedule_problem
-from autohybrid.runtime.features import unsupported
+from autohybrid.features import unsupported
 from autohybrid.search import planner, pricing
 from autohybrid.search.pricing import Layout, LayerTimes, bubble, price
 from autohybrid.search.space import profile

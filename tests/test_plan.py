@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 import autohybrid as ah
-from autohybrid import models
-from autohybrid.api import make_plan
+from autohybrid import models, planning
+from autohybrid.planning import make_plan
 from autohybrid.capture import capture
 from autohybrid.search.space import profile
 from autohybrid.cost.memory import MEMORY_HEADROOM, training_state, usable_bytes
@@ -379,11 +379,11 @@ def gpt_tiny():
 @pytest.fixture()
 def no_full_recompute(monkeypatch):
     """A runtime that cannot run full recomputation: every feature runs today, so the
-    refusal path (runtime/features.py → api) is exercised with a stand-in."""
+    refusal path (features.py → planning) is exercised with a stand-in."""
     def unsupported(plan):
         return ["recompute='full' is not executable here"] if plan.recompute == "full" else []
 
-    monkeypatch.setattr(ah.api, "unsupported", unsupported)
+    monkeypatch.setattr(planning, "unsupported", unsupported)
 
 
 @pytest.mark.timeout(60)

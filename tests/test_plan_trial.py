@@ -1,6 +1,6 @@
 """Executable means executed: the search of `ah.plan` (by default too) and `ah.compile`
 builds a candidate's program for one rank on fake process groups before choosing it
-(runtime/dry_run.PassTrial), tries the next candidate when a pass rejects one, and keeps
+(trial.py PassTrial), tries the next candidate when a pass rejects one, and keeps
 the pass's reason in `plan.alternatives`; only the chosen plan is marked executable, and
 alternatives whose passes were not run say so. `ah.compile` keeps the trial's program
 for the ranks it is the program of. No processes: the trial binds each mesh axis to
@@ -15,12 +15,13 @@ import torch.nn.functional as F
 
 import autohybrid as ah
 from autohybrid import models, ops, passes
-from autohybrid.api import make_plan
+from autohybrid.planning import make_plan
 from autohybrid.capture import capture
 from autohybrid.errors import AutohybridError
 from autohybrid.models.coverage import RNNLM, lm_loss
 from autohybrid.plan import Mesh, Plan
-from autohybrid.runtime.dry_run import PassTrial, rewrite
+from autohybrid.rewrite import rewrite
+from autohybrid.trial import PassTrial
 
 
 def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -100,7 +101,7 @@ def test_lstm_plan_the_tensor_parallel_pass_rejects_is_not_chosen() -> None:
     trial = PassTrial(train)
     plan = make_plan(train, train, model, cluster, (tokens,), None, None, None, "adam",
                      executable_only=True, trial=trial)
-    rewrite(train, plan, 0)  # executable means executed
+    rewrite(train, plan, 0, fake_groups=True)  # executable means executed
     assert len(trial.ok) == 1 and trial.trials == len(trial.failed) + 1
     # the tp pass now rewrites aten.lstm (test_tp_semantics), so the favourite passes its
     # trial and is chosen; a rejected favourite is covered by the tests around this one
@@ -128,7 +129,7 @@ def test_a_loss_that_mixes_samples_is_planned_without_splitting_the_batch() -> N
     assert lost and all("pass 'global_loss'" in a.reason and "no batch dimension" in a.reason
                         for a in lost)
     train = capture(model, (x,), mixing, y)
-    rewrite(train, plan, 0)
+    rewrite(train, plan, 0, fake_groups=True)
 
 
 @pytest.mark.timeout(60)
@@ -169,7 +170,7 @@ def test_a_plan_marked_executable_is_one_its_passes_accept() -> None:
     mixing = lambda o, t: ((o - t) ** 2).mean(0).sum()  # noqa: E731
     plan = ah.plan(model, ah.Cluster.local(4), (x,), loss_fn=mixing, example_targets=y)
     assert plan.executable and not plan.not_executable_because
-    rewrite(capture(model, (x,), mixing, y), plan, 0)  # executable means executed
+    rewrite(capture(model, (x,), mixing, y), plan, 0, fake_groups=True)  # executable means executed
     assert plan.mesh.dp == 1 and plan.num_microbatches == 1
     for alt in plan.alternatives:
         if "rejected by the passes" in alt.reason:
@@ -200,12 +201,5 @@ def test_when_the_passes_reject_every_plan_the_default_marks_the_best(monkeypatc
     with pytest.raises(ah.NotExecutableError, match="reject every candidate.*global_loss"):
         ah.plan(model, cluster, inputs, loss_fn=_loss, example_targets=targets,
                 executable_only=True)
-
-
-def _program_text(gm, notes) -> str:
-    stages = getattr(notes.get("pipeline"), "stages", ())
-    texts = [g.print_readable(print_output=False) for g in (gm, *(st.gm for st in stages))]
-    shards = sorted((k, repr(v)) for k, v in notes.get("param_shards", {}).items())
-    return "\n".join(texts) + repr(shards)
 
 

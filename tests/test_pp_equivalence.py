@@ -161,7 +161,7 @@ def _hf_rank(rank: int, world: int) -> list[str]:
             eager_loss=lambda m, i, t: lm_loss(m(input_ids=i[0]).logits, t),
             constraints=ah.Constraints(pp=2, dp=1, tp=1, schedule=schedule,
                                        virtual_stages=v, num_microbatches=2))
-        shared = compiled.notes["train"]["pipeline"].shared_params
+        shared = compiled.programs["train"].pipeline.shared_params
         fails.check(f"hf-gpt2 {schedule}: tied wte/lm_head shared by the first and last "
                     f"stage ({shared})", "transformer.wte.weight" in shared)
     return fails

@@ -45,7 +45,7 @@ def _regions(gm: fx.GraphModule) -> list[fx.GraphModule]:
 
 def _region_ops(compiled) -> list[list[str]]:
     """The ops of each checkpointed region this rank runs (all stages with pp)."""
-    split = compiled.notes["train"].get("pipeline")
+    split = compiled.programs["train"].pipeline
     gms = [s.gm for s in split.stages] if split is not None else [compiled.graphs["train"]]
     return [[op_name(n) for n in sub.graph.nodes if n.op == "call_function"]
             for gm in gms for sub in _regions(gm)]
@@ -191,7 +191,7 @@ def _saved_bytes(compiled, inputs, targets) -> int:
             seen[storage.data_ptr()] = storage.nbytes()
         return t
 
-    program = compiled.programs["train"]
+    program = compiled.programs["train"].runnable
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         num, _ = program.run(compiled.executor.state, inputs, (targets,))
     del num

@@ -84,7 +84,7 @@ def test_coarse_view_matches_program(built):
     assert dict(attn.collectives).get("sp_gather") == 1
     assert "vocab-parallel" in view.groups[names.index("tok_emb")].sharding
     # every collective of every stage lands in exactly one group of that stage
-    split = program.notes["pipeline"]
+    split = program.pipeline
     for stage in split.stages:
         got: dict[str, int] = {}
         for g in view.groups:

@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 
 import autohybrid as ah
-from autohybrid.api import make_plan
+from autohybrid.planning import make_plan
 from autohybrid.capture import capture
 from autohybrid.cost.memory import usable_bytes
-from autohybrid.runtime.features import unsupported
+from autohybrid.features import unsupported
 from autohybrid.search import planner
 from autohybrid.search.pricing import price
-from autohybrid.search.sharding import megatron_layout
+from autohybrid.search.tp_gradients import megatron_layout
 from autohybrid.search.space import profile
 from autohybrid.search.stages import _partition_loop, partition, stage_costs
 

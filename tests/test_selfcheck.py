@@ -134,7 +134,7 @@ def test_dropout_under_a_batch_split_is_refused_with_the_reason():
 # ============================================================================ per stage
 def _count_whole_gathers(calls: list[str]) -> None:
     """Record every whole-model gather (full_grads, or any merge of the stages)."""
-    for name in ("full_grads", "full_state_dict", "_merge_stages"):
+    for name in ("full_grads", "full_state_dict", "_merged"):
         original = getattr(CompiledModel, name)
 
         def counted(self, *args, _name=name, _original=original, **kwargs):

@@ -13,7 +13,8 @@ from torch import nn
 
 import autohybrid as ah
 from autohybrid.capture import capture
-from autohybrid.search.sharding import linear_parts, megatron_layout
+from autohybrid.search.sharding import linear_parts
+from autohybrid.search.tp_gradients import megatron_layout
 from autohybrid.search.space import profile
 from autohybrid.search.tp_choice import LayoutCost, Rates, choose_layout
 

@@ -56,7 +56,7 @@ def _zoo_rank(rank: int, world: int, tp: int, sp: bool, turn: int) -> list[str]:
         fails.check(f"{case}: plan is {mesh.describe()}",
                     (mesh.tp, mesh.dp, mesh.sp) == (tp, world // tp, sp))
         fails.check(f"{case}: no parameter is split",
-                    bool(compiled.notes["train"]["param_shards"]))
+                    bool(compiled.programs["train"].param_shards))
         (x,), _ = batches[0]
         fails.close(f"{case} forward", compiled((x,)), ref(x).detach())
     return fails
@@ -91,7 +91,7 @@ def _vocab_rank(rank: int, world: int) -> list[str]:
         case = f"vocab 97 tie={tie} tp{world}"
         compiled, _ = train_and_compare(fails, case, model, batches, world, loss_fn=loss,
                                         optimizer=OPTIMIZERS["adamw"], constraints=_pinned(world))
-        spec = compiled.notes["train"]["param_shards"]["tok_emb.weight"]
+        spec = compiled.programs["train"].param_shards["tok_emb.weight"]
         fails.check(f"{case}: vocabulary not padded: {spec}",
                     spec.padded == -(-97 // world) * world and spec.size == 97)
     return fails
@@ -133,7 +133,7 @@ def _hf_rank(rank: int, world: int, sp: bool) -> list[str]:
             fails, f"HF {name} tp{world} sp={sp}", model, batches, world,
             loss_fn=logits_loss, optimizer=OPTIMIZERS["sgd"], constraints=_pinned(world, sp),
             eager_loss=lambda m, i, t: lm_loss(m(input_ids=i[0]).logits, t))
-        fails.check(f"HF {name}: nothing split", bool(compiled.notes["train"]["param_shards"]))
+        fails.check(f"HF {name}: nothing split", bool(compiled.programs["train"].param_shards))
     torch.manual_seed(0)
     # labels=: the model's own loss (shifted; logits cast to float32, so the model is
     # compared in float32), captured at the first step

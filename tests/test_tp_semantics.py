@@ -28,14 +28,13 @@ import autohybrid as ah
 from _limits import guard
 from _pool import launch as pool_launch
 from _equiv import OPTIMIZERS, Failures, lm_loss, report, train_and_compare
-from autohybrid.api import make_plan
+from autohybrid.planning import make_plan
 from autohybrid.capture import capture
 from autohybrid.models.coverage import RNNLM
-from autohybrid.search.sharding import linear_parts, megatron_layout, param_key, \
-    propagate_layout
+from autohybrid.search.sharding import linear_parts, param_key, propagate_layout
 from autohybrid.search.space import profile
 from autohybrid.search.tp_choice import Rates, choose_layout
-from autohybrid.search.tp_gradients import gradient_problems
+from autohybrid.search.tp_gradients import gradient_problems, megatron_layout
 
 VOCAB, HIDDEN, SEQ = 96, 32, 8
 A100 = Rates.of(ah.Cluster.preset("dgx-a100-80gb"))
@@ -200,7 +199,7 @@ def test_tp_pass_refuses_an_unproven_layout_before_it_runs(monkeypatch):
     """Handed the unproven layout, the tp pass refuses (PlanError naming the split op, its
     module, the mesh axis and what to do) instead of building a program that trains
     wrongly."""
-    from autohybrid.runtime.dry_run import rewrite
+    from autohybrid.rewrite import rewrite
     tp_pass = importlib.import_module("autohybrid.passes.tensor_parallel")
 
     model = _model(ResidualNormLM)
@@ -208,12 +207,12 @@ def test_tp_pass_refuses_an_unproven_layout_before_it_runs(monkeypatch):
     train = capture(model, (tokens,), lm_loss, targets)
     plan = make_plan(train, train, model, ah.Cluster.local(2), (tokens,), None, None,
                      ah.Constraints(dp=1, tp=2, pp=1, sp=False), "sgd", True)
-    rewrite(train, plan, 0)  # the proven layout builds
+    rewrite(train, plan, 0, fake_groups=True)  # the proven layout builds
     monkeypatch.setattr(tp_pass, "megatron_layout",
                         lambda gm, choices=None: propagate_layout(gm, choices or {}))
     with pytest.raises(ah.PlanError, match=r"broadcast along the shard dim on mesh axis 'tp'") \
             as info:
-        rewrite(train, plan, 0)
+        rewrite(train, plan, 0, fake_groups=True)
     assert "module norm" in str(info.value) and "pin tp=1" in str(info.value)
 
 
@@ -240,7 +239,7 @@ def test_fused_projections_split_by_slices_and_chunk_are_column_parallel():
 def test_unequal_fused_blocks_shard_and_gather_back():
     """ShardSpec over q | k | v blocks of 32 | 16 | 16 rows: rank r holds its half of each
     block, and gathering every rank's shard gives the parameter back."""
-    from autohybrid.passes.tensor_parallel import ShardSpec
+    from autohybrid.program import ShardSpec
 
     full = torch.arange(64 * 3, dtype=torch.float64).view(64, 3)
     specs = [ShardSpec(0, 64, 64, 3, 2, r, (32, 16, 16)) for r in range(2)]
@@ -270,7 +269,7 @@ def test_an_open_linear_tp_does_not_divide_is_replicated_by_the_pass():
     from dataclasses import replace
 
     from autohybrid.plan import NodeSharding
-    from autohybrid.runtime.dry_run import rewrite
+    from autohybrid.rewrite import rewrite
 
     torch.manual_seed(0)
     model = ah.models.mlp(16, 32, 6, layers=3).double()
@@ -282,8 +281,7 @@ def test_an_open_linear_tp_does_not_divide_is_replicated_by_the_pass():
                          ah.Constraints(dp=1, tp=tp, pp=1), "sgd", True)
         plan = replace(plan, shardings=(*plan.shardings,
                                         NodeSharding("layers.2.weight", "shard(0)")))
-        _, notes, _, _ = rewrite(train, plan, 0)
-        shards = notes["param_shards"]
+        shards = rewrite(train, plan, 0, fake_groups=True).param_shards
         assert ("layers.2.weight" in shards) == split, (tp, sorted(shards))
         assert "layers.0.weight" in shards  # Megatron's pair stays split
 
@@ -318,7 +316,7 @@ def _rank(rank: int) -> list[str]:
         compiled, _ = train_and_compare(fails, case, model, batches, 2, loss_fn=lm_loss,
                                         optimizer=OPTIMIZERS[optimizer],
                                         constraints=ah.Constraints(tp=2, pp=1, sp=sp))
-        fails.check(f"{case}: nothing split", bool(compiled.notes["train"]["param_shards"]))
+        fails.check(f"{case}: nothing split", bool(compiled.programs["train"].param_shards))
     if importlib.util.find_spec("transformers") is not None:
         train_and_compare(fails, "HF Phi3ForCausalLM labels= tp2", _hf_phi3(), batches, 2,
                           loss_fn=None, optimizer=OPTIMIZERS["sgd"], example_targets=False,

@@ -143,7 +143,7 @@ def _model_rank(rank: int, world: int) -> list[str]:
                                         world, loss_fn=lm_loss, optimizer=OPTIMIZERS[opt],
                                         constraints=tp2)
         fails.check(f"{case}: embedding not vocabulary-parallel",
-                    "embed_tokens.weight" in compiled.notes["train"]["param_shards"])
+                    "embed_tokens.weight" in compiled.programs["train"].param_shards)
     if importlib.util.find_spec("transformers") is not None:
         torch.manual_seed(0)
         batches = [((x,), y.masked_fill(x == 0, -100)) for (x,), y in

@@ -48,7 +48,6 @@ from __future__ import annotations
 import functools
 import logging
 import operator
-from dataclasses import dataclass
 from typing import Callable
 
 import sympy
@@ -57,6 +56,7 @@ import torch.fx as fx
 
 from ..cost.compute import bytes_moved, nbytes_expr
 from ..graph import AH_PASS, MODULE_STACK, STACK_TRACE, VAL, NodeOrder, op_name
+from ..program import FusedRegion
 from .manager import PassContext
 from .overlap import _env, _number, is_pure
 from .recompute import checkpoint_region
@@ -76,22 +76,6 @@ BARRIER_OPS = frozenset({
 })
 
 Predicate = Callable[[fx.Node], bool]
-
-
-@dataclass(frozen=True)
-class FusedRegion:
-    """One fused region: the graph it is in ("rank", "stage1", "rank/ah_recompute_0"),
-    its kernel key, the ops and node names it replaced, and the bytes it moves fused and
-    unfused (at the example sizes)."""
-
-    graph: str
-    key: str
-    ops: tuple[str, ...]
-    nodes: tuple[str, ...]
-    num_inputs: int
-    num_outputs: int
-    bytes_fused: int
-    bytes_unfused: int
 
 
 def fusion(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

@@ -9,7 +9,7 @@ batch into shards (data-parallel ranks, microbatches)
 
 The rewrite follows the loss back through scalar epilogues (multiplication or division by
 a constant, views, dtype casts) to one of the reductions in `_MEAN_RULES`. `ctx.notes
-["loss_kind"]` becomes "mean" (numerator/denominator), "sum" (numerators add) or
+["loss_kind"]` (`RankProgram.loss_kind`) becomes "mean" (numerator/denominator), "sum" (numerators add) or
 "opaque" (a loss this pass does not understand: allowed only when the batch is not split).
 
 The identity needs more than a splittable reduction: every value the reduction sums must

@@ -1,6 +1,8 @@
-"""Runs the registered passes in order on a copy of a graph, verifying after each.
+"""Runs the passes in order on a copy of a graph: names the pass that fails, times each
+one, and verifies after each the graph and, once the pipeline is split, every stage graph.
 
-`AUTOHYBRID_DISABLE_PASSES=a,b` switches passes off by name (for bisecting);
+`AUTOHYBRID_DISABLE_PASSES=a,b` switches passes off by name (for bisecting; a name that
+is no pass is refused, listing the valid ones);
 `AUTOHYBRID_DEBUG=1` writes the graph after each pass (`NN_<pass>.py`), the plan and the
 cost table under `$AUTOHYBRID_DUMP_DIR/rank<r>/` (default `./autohybrid_dump`).
 """
@@ -8,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch.fx as fx
 
@@ -28,8 +31,10 @@ Pass = Callable[[fx.GraphModule, "PassContext"], fx.GraphModule]
 class PassContext:
     """What a pass may read: the Plan, this rank's mesh coordinates, graph facts.
 
-    `notes` is where a pass leaves facts for the runtime (e.g. the loss kind); it is
-    derived from the Plan and the graph only, so it is the same on every rank.
+    `notes` is the passes' scratch space while they run: where a pass leaves facts for
+    later passes and for `rewrite` (e.g. the loss kind, the pipeline split), derived from
+    the Plan and the graph only, so the same on every rank. What leaves `rewrite` is the
+    frozen RankProgram built from it (autohybrid/program.py), never this dict.
     """
 
     plan: Plan
@@ -41,6 +46,8 @@ class PassContext:
     #: pass that ran: {graph_kind: graph}, or {"stage<k>": graph} once the pipeline is
     #: split (`autohybrid inspect`, report/program.py); None: nothing kept
     snapshots: list[tuple[str, dict[str, fx.GraphModule]]] | None = None
+    #: seconds each pass took, filled by run_passes in the order they ran
+    pass_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def dp(self) -> int:
@@ -65,9 +72,27 @@ def _snapshot(gm: fx.GraphModule, ctx: PassContext) -> dict[str, fx.GraphModule]
     return {f"stage{stage.index}": copy_graph_module(stage.gm) for stage in split.stages}
 
 
-def disabled_passes() -> set[str]:
-    return {p.strip() for p in os.environ.get("AUTOHYBRID_DISABLE_PASSES", "").split(",")
-            if p.strip()}
+def _verify_all(gm: fx.GraphModule, ctx: PassContext, name: str) -> None:
+    """The graph and, once the pipeline is split, every stage graph (what runs then)."""
+    verify(gm, name)
+    split = ctx.notes.get("pipeline")
+    for stage in split.stages if split is not None else ():
+        verify(stage.gm, f"{name}, stage {stage.index}", received=len(stage.received))
+
+
+def disabled_passes(known: Iterable[str] | None = None) -> set[str]:
+    """The pass names AUTOHYBRID_DISABLE_PASSES lists; with `known` (every pass's name),
+    a name that is none of them is refused rather than silently switching nothing off."""
+    names = {p.strip() for p in os.environ.get("AUTOHYBRID_DISABLE_PASSES", "").split(",")
+             if p.strip()}
+    if known is not None:
+        known = list(known)
+        unknown = sorted(names - set(known))
+        if unknown:
+            raise AutohybridError(
+                f"AUTOHYBRID_DISABLE_PASSES names no pass: {', '.join(unknown)}; the passes "
+                f"are {', '.join(known)}")
+    return names
 
 
 def dump_dir(rank: int) -> Path | None:
@@ -79,19 +104,20 @@ def dump_dir(rank: int) -> Path | None:
     return path
 
 
-def run_passes(gm: fx.GraphModule, ctx: PassContext,
-               passes: list[tuple[str, Pass]]) -> fx.GraphModule:
+def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[tuple[str, Pass]],
+               known: Iterable[str] | None = None) -> fx.GraphModule:
     """Apply `passes` in order to a copy of `gm`; the captured graph is never modified.
-    Fake values recomputed for identical ops on identical inputs are computed once
-    (graph.shared_fake_values: a model's repeated blocks)."""
+    `known`: every pass's name, which AUTOHYBRID_DISABLE_PASSES may use (default: those
+    of `passes`). Fake values recomputed for identical ops on identical inputs are
+    computed once (graph.shared_fake_values: a model's repeated blocks)."""
+    off = disabled_passes(known if known is not None else [name for name, _ in passes])
     with shared_fake_values():
-        return _run_passes(gm, ctx, passes)
+        return _run_passes(gm, ctx, passes, off)
 
 
-def _run_passes(gm: fx.GraphModule, ctx: PassContext,
-                passes: list[tuple[str, Pass]]) -> fx.GraphModule:
+def _run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[tuple[str, Pass]],
+                off: set[str]) -> fx.GraphModule:
     gm = copy_graph_module(gm)
-    off = disabled_passes()
     dump = dump_dir(ctx.rank)
     if dump is not None:
         (dump / "plan.json").write_text(ctx.plan.to_json())
@@ -101,17 +127,22 @@ def _run_passes(gm: fx.GraphModule, ctx: PassContext,
             log.info("pass %s disabled by AUTOHYBRID_DISABLE_PASSES", name)
             continue
         before = len(gm.graph.nodes)
+        start = time.perf_counter()
         try:
             result = fn(gm, ctx)
-        except AutohybridError:
+        except AutohybridError as exc:  # ours: tagged with the pass (PassTrial's reason)
+            if getattr(exc, "pass_name", None) is None:
+                exc.pass_name = name
             raise
         except Exception as exc:  # torch's, or a bug of ours: name the pass and node
             raise PassFailure.of(exc, name) from exc
+        ctx.pass_seconds[name] = time.perf_counter() - start
         if not isinstance(result, fx.GraphModule):
             raise TypeError(f"pass {name!r} returned {type(result).__name__}, not a GraphModule")
         gm = result
-        verify(gm, name)
-        log.info("pass %s: %d → %d nodes", name, before, len(gm.graph.nodes))
+        _verify_all(gm, ctx, name)
+        log.info("pass %s: %d → %d nodes, %.3f s", name, before, len(gm.graph.nodes),
+                 ctx.pass_seconds[name])
         if ctx.snapshots is not None:
             ctx.snapshots.append((name, _snapshot(gm, ctx)))
         if dump is not None:

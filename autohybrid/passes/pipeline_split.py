@@ -2,8 +2,9 @@
 
 Runs last, on the graph the other passes produced for this rank (tp collectives and
 sequence slices included), and leaves it unchanged: its product is
-`ctx.notes["pipeline"]`, a `PipelineSplit` whose `StageGraph`s the runtime
-(runtime/pipeline.py) wraps as `torch.distributed.pipelining` stages.
+`ctx.notes["pipeline"]` (`RankProgram.pipeline`), a `PipelineSplit` (program.py) whose
+`StageGraph`s the runtime (runtime/pipeline.py) wraps as `torch.distributed.pipelining`
+stages.
 
 Which node runs where:
 * every compute node belongs to a layer (search/layers.py); the Plan names the first
@@ -50,7 +51,7 @@ from __future__ import annotations
 
 import bisect
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -60,49 +61,13 @@ from ..errors import PlanError
 from ..graph import AH_PARAM, AH_ROLE, VAL, module_path, op_name, output_node
 from ..cost.compute import grad_nodes
 from ..search.layers import segment
+from ..program import PipelineSplit, StageGraph
 from .batch_effects import updates_running_statistics
 from .manager import PassContext, dump_dir
 
 _BATCH_ROLES = ("input", "target")
 #: Ops whose result depends on the random generator: never duplicated or moved.
 _RANDOM = ("dropout", "bernoulli", "rand", "normal", "multinomial", "randperm")
-
-
-@dataclass
-class StageGraph:
-    """One pipeline stage: its graph and what it exchanges.
-
-    `gm` takes `(*received, *local)`: `received` are the values the previous stage sends
-    (for the first stage: the model's inputs), `local` the full graph's placeholders
-    (parameters, buffers, constants, inputs, targets) it reads, by their index in the full
-    graph's placeholder list (`local_placeholders`). It returns the values it sends to the
-    next stage (`sent`), or for the last stage the full graph's outputs.
-    """
-
-    index: int
-    gm: fx.GraphModule
-    received: tuple[str, ...]            # names of the values it receives, in order
-    sent: tuple[str, ...]                # names of the values it sends (last: the outputs)
-    local_placeholders: tuple[int, ...]  # full-graph placeholder indices it reads
-    params: tuple[str, ...]              # canonical names of the parameters it reads
-    received_vals: tuple[Any, ...] = ()  # fake values (symbolic shapes) of `received`
-    sent_vals: tuple[Any, ...] = ()
-    sent_requires_grad: tuple[bool, ...] = ()
-    nodes: int = 0
-
-    def describe(self) -> str:
-        def shapes(vals):
-            return ", ".join(f"{tuple(v.shape)}" for v in vals if isinstance(v, torch.Tensor))
-        return (f"stage {self.index}: {self.nodes} ops, {len(self.params)} parameters; "
-                f"receives [{shapes(self.received_vals)}], sends [{shapes(self.sent_vals)}]")
-
-
-@dataclass
-class PipelineSplit:
-    stages: list[StageGraph]
-    input_placeholders: tuple[int, ...]          # full-graph indices of model inputs
-    batch_placeholders: tuple[int, ...]          # inputs then targets (keyword arguments)
-    shared_params: dict[str, tuple[int, ...]] = field(default_factory=dict)  # name → stages
 
 
 def pipeline_split(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

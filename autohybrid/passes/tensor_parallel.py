@@ -27,13 +27,13 @@ planner and the pass agree by construction. On rank r of the tp group:
   a replicated operand needing a gradient that it would broadcast into a split op (the
   one source of partial gradients), so a plan that would train wrongly never runs.
 
-`ctx.notes["param_shards"]` maps each split parameter's canonical name to its ShardSpec;
-the runtime slices parameters and gathers them back (full_state_dict) with it.
+`ctx.notes["param_shards"]` (`RankProgram.param_shards`) maps each split parameter's
+canonical name to its ShardSpec (program.py); the runtime slices parameters and gathers
+them back (full_state_dict) with it.
 """
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -43,11 +43,12 @@ from ..cost.compute import grad_nodes
 from ..errors import PlanError
 from ..graph import (AH_PASS, AH_ROLE, VAL, fake_mode, module_path, new_node, op_name,
                      output_node, refresh_fake, schema_args, source_line)
+from ..program import ShardSpec
 from ..ops import tensor_parallel as tp_ops  # noqa: F401  (registers autohybrid::tp_*)
 from ..ops import dropout, vocab_parallel  # noqa: F401  (registers the ops they define)
 from ..search.sharding import (R, TensorParallelLayout, _CLASS_LOSSES, _along, _slice_range,
-                               linear_parts, megatron_layout, param_key, shard_dim)
-from ..search.tp_gradients import sliced_operand
+                               linear_parts, param_key, shard_dim)
+from ..search.tp_gradients import megatron_layout, sliced_operand
 from .manager import PassContext
 
 aten = torch.ops.aten
@@ -56,70 +57,6 @@ AXIS = "tp"
 
 
 # ------------------------------------------------------------------ parameter shards
-@dataclass(frozen=True)
-class ShardSpec:
-    """Which part of a full parameter one tp rank holds.
-
-    The parameter's `dim` (full size `size`) holds `chunks` blocks (3 for a fused qkv
-    projection): equal ones, or of the sizes `blocks` lists (a fused projection taken
-    apart unevenly, e.g. grouped-query q | k | v slices); each equal block is padded to
-    `padded` / `chunks` and every block is split into `ways` equal shards; this rank holds
-    shard `index` of every block, concatenated.
-    """
-
-    dim: int
-    size: int
-    padded: int
-    chunks: int
-    ways: int
-    index: int
-    blocks: tuple[int, ...] = ()
-
-    @property
-    def shard_size(self) -> int:
-        return self.padded // self.ways
-
-    def block_sizes(self) -> tuple[tuple[int, int], ...]:
-        """(full size, padded size) of each block."""
-        if self.blocks:
-            return tuple((b, b) for b in self.blocks)
-        return ((self.size // self.chunks, self.padded // self.chunks),) * self.chunks
-
-    def local(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of the full parameter (a new tensor)."""
-        return self.local_from(lambda index: full[index], full.dim())
-
-    def local_from(self, read, ndim: int) -> torch.Tensor:
-        """This rank's shard from `read(index)`, which returns `full[index]` for a tuple
-        of slices: only the rows (or columns) this rank holds are read (sharded
-        materialization reads them from the seeded initialization, autohybrid/init.py)."""
-        out, offset = [], 0
-        for block, padded in self.block_sizes():  # this rank's piece of each block
-            width = padded // self.ways
-            lo = self.index * width
-            start, stop = offset + min(lo, block), offset + min(lo + width, block)
-            index = [slice(None)] * ndim
-            index[self.dim] = slice(start, stop)
-            piece = read(tuple(index))
-            pad = width - (stop - start)  # padding is zeros
-            if pad:
-                shape = list(piece.shape)
-                shape[self.dim] = pad
-                piece = torch.cat([piece, piece.new_zeros(shape)], self.dim)
-            out.append(piece)
-            offset += block
-        return torch.cat(out, self.dim).clone()
-
-    def gather(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        """The full parameter from every shard index's tensor, in index order."""
-        sizes = self.block_sizes()
-        widths = [padded // self.ways for _, padded in sizes]
-        per_chunk = [s.split(widths, self.dim) for s in shards]
-        blocks = [torch.cat([p[c] for p in per_chunk], self.dim).narrow(self.dim, 0, block)
-                  for c, (block, _) in enumerate(sizes)]
-        return torch.cat(blocks, self.dim)
-
-
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 

@@ -20,7 +20,7 @@ How nodes are grouped (why: `nn_module_stack` names the module each node came fr
   order (the first group when there is none), so they never make groups of their own;
 * nodes inside recomputed regions (`checkpoint_region(sub, *inputs)`) count in the
   groups of their own modules, and the group says it is recomputed;
-* with pp > 1 the stages' graphs (`notes["pipeline"]`) are walked in stage order, a
+* with pp > 1 the stages' graphs (`RankProgram.pipeline`) are walked in stage order, a
   value a stage receives being the one the previous stage sent, so every node has its
   stage and edges cross stages where activations travel;
 * edges follow the group order: a dependency against it (from nodes the overlap pass
@@ -250,10 +250,9 @@ def _module_type(nodes: Iterable[fx.Node], key: str) -> str:
 
 # ---------------------------------------------------------------------- sharding labels
 def shard_dims(program: Any = None, plan: Any = None) -> dict[str, int]:
-    """Split dim of each tp-sharded parameter (canonical name), from the tensor-parallel
-    pass' notes (`param_shards`) or else the Plan's `shardings`."""
-    notes = getattr(program, "notes", None) or {}
-    specs = notes.get("param_shards") or {}
+    """Split dim of each tp-sharded parameter (canonical name), from the program's
+    `param_shards` (the tensor-parallel pass') or else the Plan's `shardings`."""
+    specs = getattr(program, "param_shards", None) or {}
     if specs:
         return {name: int(spec.dim) for name, spec in specs.items()}
     out: dict[str, int] = {}
@@ -300,19 +299,18 @@ def _sharding(group_name: str, params: dict[str, list[fx.Node]], dims: dict[str,
 # ---------------------------------------------------------------------- building views
 def _program_parts(source: Any) -> tuple[fx.GraphModule, Any, Any, str]:
     """(graph, pipeline split or None, plan or None, title) of a RankProgram (anything
-    with `gm` and `notes`) or a bare GraphModule."""
+    with `gm` and `pipeline`) or a bare GraphModule."""
     if isinstance(source, fx.GraphModule):
         return source, None, None, "graph"
     gm = getattr(source, "gm", None)
     if not isinstance(gm, fx.GraphModule):
-        raise TypeError(f"expected a RankProgram (with .gm and .notes) or an fx.GraphModule, "
+        raise TypeError(f"expected a RankProgram (with .gm and .pipeline) or an fx.GraphModule, "
                         f"got {type(source).__name__}")
-    notes = getattr(source, "notes", None) or {}
     rank = getattr(source, "rank", None)
     coords = getattr(source, "coords", None)
     title = f"rank {rank}" + (f" (pp, dp, tp) = {tuple(coords)}" if coords else "") \
         if rank is not None else "program"
-    return gm, notes.get("pipeline"), getattr(source, "plan", None), title
+    return gm, getattr(source, "pipeline", None), getattr(source, "plan", None), title
 
 
 def coarse_view(source: Any, *, plan: Any = None, max_groups: int = DEFAULT_MAX_GROUPS

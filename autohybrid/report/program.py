@@ -6,67 +6,19 @@ models/spec.py); `rank_program(plan, rank)` rebuilds it on the meta device, capt
 training graph with its loss, checks that the graph planned (`plan.model_hash`: that
 training graph, or the forward graph for a plan made without targets) is this model's,
 and runs every pass for `rank` under torch's fake process group (no process is
-started, nothing is allocated: runtime/dry_run.py), keeping the graph after each pass.
+started, nothing is allocated: autohybrid/rewrite.py, the `rewrite` ah.compile runs),
+keeping the graph after each pass (`RankProgram.snapshots`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Sequence
-
-import torch.fx as fx
+from typing import Sequence
 
 from ..capture import CapturedGraph, capture, model_hashes
 from ..errors import PlanError
-from ..graph import AH_PARAM, AH_ROLE, op_name
 from ..models import spec as model_spec
 from ..plan import Plan
-
-
-@dataclass
-class RankProgram:
-    """Rank `rank`'s training program: the captured graph, the graph after each pass,
-    the final graph and the passes' notes (`notes["pipeline"]`: the stage graphs)."""
-
-    plan: Plan
-    rank: int
-    coords: tuple[int, int, int]
-    captured: CapturedGraph
-    passes: list[tuple[str, dict[str, fx.GraphModule]]]   # graphs after each pass
-    gm: fx.GraphModule
-    notes: dict[str, Any] = field(default_factory=dict)
-
-    def graphs(self) -> dict[str, fx.GraphModule]:
-        """The graphs this rank runs: "train", or one per pipeline stage it runs."""
-        split = self.notes.get("pipeline")
-        if split is None:
-            return {"train": self.gm}
-        return self.mine({f"stage{s.index}": s.gm for s in split.stages})
-
-    def mine(self, graphs: dict[str, fx.GraphModule]) -> dict[str, fx.GraphModule]:
-        """Of `graphs` (a snapshot), those this rank runs (its own pipeline stages)."""
-        ranks = self.plan.stage_ranks()
-        return {kind: gm for kind, gm in graphs.items()
-                if not kind.startswith("stage") or ranks[int(kind[5:])] == self.coords[0]}
-
-    def params(self) -> set[str]:
-        """Canonical names of the parameters this rank's graphs read."""
-        return {node.meta.get(AH_PARAM, node.name) for gm in self.graphs().values()
-                for node in gm.graph.nodes
-                if node.op == "placeholder" and node.meta.get(AH_ROLE) == "param"}
-
-    def collectives(self) -> dict[str, int]:
-        """autohybrid ops in the rank's graphs (recomputed regions included), by name."""
-        counts: dict[str, int] = {}
-        for top in self.graphs().values():
-            for sub in top.modules():
-                if not isinstance(sub, fx.GraphModule):
-                    continue
-                for node in sub.graph.nodes:
-                    name = op_name(node) if node.op == "call_function" else ""
-                    if name.startswith("autohybrid."):
-                        key = name.split(".")[1]
-                        counts[key] = counts.get(key, 0) + 1
-        return dict(sorted(counts.items()))
+from ..program import RankProgram
+from ..rewrite import rewrite
 
 
 def rebuild(plan: Plan) -> model_spec.Workload:
@@ -100,8 +52,6 @@ def rank_programs(plan: Plan, ranks: Sequence[int] | None = None,
                   check: bool = True) -> list[RankProgram]:
     """The programs of `ranks` (default: the first rank of each pp coordinate, one per
     group of stages) for `plan`: the model captured once, the passes run per rank."""
-    from ..runtime.dry_run import rewrite
-
     if ranks is None:
         ranks = stage_representatives(plan)
     for rank in ranks:
@@ -112,12 +62,7 @@ def rank_programs(plan: Plan, ranks: Sequence[int] | None = None,
     train = capture(workload.model, workload.inputs, workload.loss_fn, workload.targets)
     if check:
         check_model(plan, workload, train)
-    out = []
-    for rank in ranks:
-        snapshots: list[tuple[str, dict[str, fx.GraphModule]]] = []
-        gm, notes, _, _ = rewrite(train, plan, rank, snapshots)
-        out.append(RankProgram(plan, rank, plan.mesh.coords(rank), train, snapshots, gm, notes))
-    return out
+    return [rewrite(train, plan, rank, snapshots=True, fake_groups=True) for rank in ranks]
 
 
 def rank_program(plan: Plan, rank: int = 0, workload: model_spec.Workload | None = None,

@@ -62,10 +62,11 @@ def explain(compiled: Any) -> str:
         graphs = [m for m in gm.modules() if isinstance(m, fx.GraphModule)]  # + recompute regions
         collectives = sorted({op_name(n) for g in graphs for n in g.graph.nodes
                               if n.op == "call_function" and "autohybrid" in op_name(n)})
-        notes = compiled.notes.get(kind, {})
+        program = compiled.programs.get(kind)
+        loss_kind = getattr(program, "loss_kind", None) or "-"
         lines.append(f"graph {kind!r}: {len(gm.graph.nodes)} nodes; nodes created by passes "
                      f"{created or 'none'}; autohybrid ops {collectives or 'none'}; "
-                     f"loss kind {notes.get('loss_kind', '-')}")
+                     f"loss kind {loss_kind}")
     sharded = getattr(compiled, "sharded", None)
     if sharded is not None:
         mine = sum(p.numel() for p in compiled._trained_params().values())
@@ -77,7 +78,8 @@ def explain(compiled: Any) -> str:
                      f"this rank holds {mine:,} of {whole:,} parameter elements"
                      + (f"; vocabulary padded: {padded}" if padded else "")
                      + (f"; fused projections split block by block: {fused}" if fused else ""))
-    split = next((n["pipeline"] for n in compiled.notes.values() if "pipeline" in n), None)
+    split = next((p.pipeline for p in compiled.programs.values() if p.pipeline is not None),
+                 None)
     if split is not None:
         ranks = plan.stage_ranks()
         mine = [s.index for s in split.stages if ranks[s.index] == compiled.coords[0]]
@@ -88,7 +90,7 @@ def explain(compiled: Any) -> str:
     zero = getattr(compiled, "zero", None)
     if zero is not None:
         held = zero.held_bytes()
-        gathers = max((n.get("zero_gathers", 0) for n in compiled.notes.values()), default=0)
+        gathers = max((p.zero_gathers for p in compiled.programs.values()), default=0)
         how = {1: "optimizer state sharded; gradients reduce-scattered in the last backward, "
                   "parameters all-gathered after each step",
                2: "optimizer state and gradients sharded (buckets reduce-scattered every "

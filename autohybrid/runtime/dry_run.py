@@ -3,11 +3,10 @@
 The model lives on the meta device and each mesh axis is bound to torch's fake process
 group of its size (`FakeProcessGroup`, no default group is created): no memory is
 allocated and no message is sent, but every pass runs exactly as on rank `rank` of the
-real job (`rewrite`). The same rewrite is how a plan proves executable: `PassTrial`
-runs it for the planner (the search of `ah.plan` and `ah.compile` tries candidates best
-first and drops those a pass rejects), and `ah.compile` keeps the trial's program for
-the ranks whose program it is (`PassTrial.program`). The dry run then checks that
-program against the Plan:
+real job (autohybrid/rewrite.py: the one `rewrite` ah.compile, the report and `autohybrid
+inspect` use). The same rewrite is how a plan proves executable (trial.py `PassTrial`:
+the search tries candidates best first and drops those a pass rejects); the dry run
+keeps the program of its own plan's trial. It then checks that program against the Plan:
 
 - per-rank parameter bytes: Σ over the rewritten graph's parameter placeholders (tied
   parameters once) of their elements × the plan dtype's bytes, against the planner's
@@ -43,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -54,19 +52,20 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
-from .. import ops
-from .. import passes as passes_mod
 from ..capture import CapturedGraph, as_tuple, capture
 from ..cluster import Cluster
 from ..cost.memory import dtype_bytes, training_state
 from ..errors import AutohybridError, NoPlanFitsError, NotExecutableError, PlanError
 from ..graph import AH_PARAM, AH_ROLE, VAL, op_name
 from ..plan import Constraints, Plan
+from ..planning import make_plan
+from ..program import RankProgram
+from ..rewrite import rewrite
 from ..search.sharding import _CLASS_LOSSES, TensorParallelLayout, linear_parts
 from ..search.space import ModelProfile
 from ..search.space import profile as model_profile
 from ..search.tp_choice import Rates
-from .groups import AXES
+from ..trial import PassTrial
 
 #: The autohybrid ops that talk over the tp axis, as counted in a rank's program.
 COLLECTIVES = ("tp_copy", "tp_reduce", "tp_gather", "tp_split", "tp_replicated",
@@ -104,9 +103,12 @@ class DryRunReport:
     largest_param: tuple[str, tuple[int, ...]]   # (canonical name, local shape)
     largest_full_param: tuple[str, tuple[int, ...]]
     timings: dict[str, float]
-    gm: fx.GraphModule = field(repr=False)
-    notes: dict[str, Any] = field(repr=False, default_factory=dict)
+    program: RankProgram = field(repr=False)
     local_shapes: dict[str, tuple[int, ...]] = field(repr=False, default_factory=dict)
+
+    @property
+    def gm(self) -> fx.GraphModule:
+        return self.program.gm
 
     @property
     def bytes_match(self) -> bool:
@@ -159,8 +161,6 @@ def dry_run(model: nn.Module, cluster: Cluster, example_inputs: Any,
     `plan`, one is searched with `global_batch`, `dtype`, `constraints` and `optimizer`
     (executable plans first, else the best plan that fits).
     """
-    from ..api import make_plan
-
     if dist.is_initialized():
         raise AutohybridError("dry_run needs a process without a process group: it "
                               "initializes a fake one of the plan's world size")
@@ -186,13 +186,15 @@ def dry_run(model: nn.Module, cluster: Cluster, example_inputs: Any,
                     f"fits ({why}) — the dry run checks its tp program")
     _check_plan(plan, cluster, rank)
     profile = model_profile(train.gm, train.dim_roles, Rates.of(cluster))
-    kept = trial.kept(plan)
-    timings["plan"] = time.perf_counter() - start - (kept[2] + kept[3] if kept else 0.0)
-
-    gm, notes, timings["mesh"], timings["passes"] = kept or rewrite(train, plan, rank)
+    program = trial.kept(plan)
+    passes = sum(program.pass_seconds.values()) if program is not None else 0.0
+    timings["plan"] = time.perf_counter() - start - passes
+    if program is None:
+        program = rewrite(train, plan, rank, fake_groups=True)
+    timings["passes"] = sum(program.pass_seconds.values())
 
     start = time.perf_counter()
-    report = _check(train, gm, notes, plan, profile, rank, note, timings)
+    report = _check(train, program, profile, note, timings)
     timings["check"] = time.perf_counter() - start
     return report
 
@@ -209,157 +211,6 @@ def _check_plan(plan: Plan, cluster: Cluster, rank: int) -> None:
                         "sp's collectives are checked by the graph tests); pin pp=1, sp=False")
 
 
-def rewrite(train: CapturedGraph, plan: Plan, rank: int,
-            snapshots: list[tuple[str, dict[str, fx.GraphModule]]] | None = None,
-            example_inputs: tuple = ()) -> tuple[fx.GraphModule, dict[str, Any], float, float]:
-    """The passes on rank `rank` of `plan`, each mesh axis bound to a fake process group
-    of its size: (graph, notes, seconds to bind the mesh, seconds in the passes);
-    `snapshots` (a list) receives (pass, graph after it) for every pass.
-
-    No default process group is created or touched (torch's standalone
-    `FakeProcessGroup` per axis), so this runs in any process, also on a rank of a live
-    job (`ah.compile`'s trial of a plan); the axis bindings are restored afterwards.
-    `example_inputs` give the device for a graph captured under autocast."""
-    from torch._C._distributed_c10d import FakeProcessGroup
-
-    saved = ops.groups.snapshot()
-    start = time.perf_counter()
-    try:
-        coords = plan.mesh.coords(rank)
-        ops.groups.clear()
-        sizes = (plan.mesh.pp, plan.mesh.dp, plan.mesh.tp)
-        for axis, size, index in zip(AXES, sizes, coords):
-            ops.groups.bind(axis, FakeProcessGroup._create_internal(index, size)
-                            if size > 1 else None)
-        mesh_s = time.perf_counter() - start
-        start = time.perf_counter()
-        kind = "train" if train.with_loss else "forward"
-        ctx = passes_mod.PassContext(plan=plan, rank=rank, coords=coords, graph_kind=kind,
-                                     snapshots=snapshots)
-        if train.with_loss:
-            ctx.notes["loss_output_index"] = train.user_outputs[0]
-        with train.autocast_context(example_inputs):
-            gm = passes_mod.run_passes(train.gm, ctx, _named_passes(kind))
-        return gm, ctx.notes, mesh_s, time.perf_counter() - start
-    finally:
-        ops.groups.restore(saved)
-
-
-def _named_passes(kind: str) -> list[tuple[str, Callable]]:
-    """The passes for `kind`, each tagging an AutohybridError it raises with its name."""
-    def named(name: str, fn: Callable) -> Callable:
-        def run(gm: fx.GraphModule, ctx: Any) -> fx.GraphModule:
-            try:
-                return fn(gm, ctx)
-            except AutohybridError as exc:
-                if getattr(exc, "pass_name", None) is None:
-                    exc.pass_name = name
-                raise
-        return run
-    return [(name, named(name, fn)) for name, fn in passes_mod.passes_for(kind)]
-
-
-#: The Plan fields each pass reads (passes/*.py), in pass order: a pass fails or not on a
-#: graph as a function of these and of the fields of the passes before it. A pass not
-#: listed here is keyed by every field (_PLAN_FIELDS).
-PASS_FIELDS: dict[str, tuple[str, ...]] = {
-    "global_loss": ("shards",),
-    "sync_batch_norm": ("dp",),
-    "tensor_parallel": ("tp", "sp", "shardings"),
-    "sequence_parallel": ("tp", "sp"),
-    "zero": ("zero", "dp", "gather_min_mb", "grad_reduce_dtype", "recompute",
-             "stage_boundaries"),
-    "collective_matmul": ("collective_matmul", "collective_matmul_layers", "tp", "sp"),
-    "pipeline_split": ("pp", "num_stages", "stage_boundaries"),
-    "recompute": ("recompute",),
-}
-_PLAN_FIELDS = ("shards", "pp", "dp", "tp", "sp", "num_stages", "stage_boundaries",
-                "recompute", "zero", "gather_min_mb", "collective_matmul",
-                "collective_matmul_layers", "shardings", "grad_reduce_dtype", "schedule",
-                "num_microbatches")
-
-
-def _field(plan: Plan, name: str) -> Any:
-    if name == "shards":
-        return plan.mesh.dp * plan.num_microbatches > 1
-    if name in ("pp", "dp", "tp", "sp"):
-        return getattr(plan.mesh, name)
-    return getattr(plan, name)
-
-
-class PassTrial:
-    """Whether the passes accept `graph` under a plan: rank `rank`'s program is built on
-    fake process groups (`rewrite`), and any AutohybridError a pass raises (a PassFailure
-    names the pass and node of a torch error) becomes the reason the plan cannot run.
-
-    Callable as `trial(plan) -> None | reason`. Results are cached by the Plan fields the
-    passes read (PASS_FIELDS): a success by all of them, a failure by those of the
-    failing pass and the passes before it, so one trial stands for every candidate the
-    planner would build alike. `keep=True` keeps the last successful program
-    (`kept(plan)`), for a caller that needs it anyway (the dry run).
-    """
-
-    def __init__(self, graph: CapturedGraph, rank: int = 0, example_inputs: tuple = (),
-                 keep: bool = False):
-        self.graph, self.rank, self.example_inputs, self.keep = graph, rank, example_inputs, keep
-        self.ok: set[tuple] = set()
-        self.failed: list[tuple[str, tuple, str]] = []   # (pass, its key, reason)
-        self.trials = 0
-        self.seconds = 0.0
-        self._kept: tuple[tuple, tuple] | None = None
-
-    @staticmethod
-    def key(plan: Plan, upto: str | None = None) -> tuple:
-        if upto is None or upto not in PASS_FIELDS:
-            fields = _PLAN_FIELDS
-        else:
-            names = list(passes_mod.ORDER)
-            fields = tuple(dict.fromkeys(
-                f for name in names[:names.index(upto) + 1] if name in PASS_FIELDS
-                for f in PASS_FIELDS[name]))
-        return tuple(_field(plan, f) for f in fields)
-
-    def __call__(self, plan: Plan) -> str | None:
-        if not self.graph.with_loss and plan.mesh.tp == 1 and plan.mesh.pp == 1:
-            return None  # compile rewrites a forward graph only for tp or pp (compiled.py)
-        full = self.key(plan)
-        if full in self.ok:
-            return None
-        for name, key, reason in self.failed:
-            if self.key(plan, name) == key:
-                return reason
-        start = time.perf_counter()
-        self.trials += 1
-        debug = os.environ.pop("AUTOHYBRID_DEBUG", None)  # no dumps of trial programs
-        try:
-            result = rewrite(self.graph, plan, min(self.rank, plan.world_size - 1),
-                             example_inputs=self.example_inputs)
-        except Exception as exc:  # noqa: BLE001 - every failure rules the plan out
-            name = getattr(exc, "pass_name", None)
-            reason = (str(exc).strip().splitlines() or [""])[0]
-            if not isinstance(exc, AutohybridError):
-                reason = f"{type(exc).__name__}: {reason}"
-            if name and f"pass {name!r}" not in reason:
-                reason = f"pass {name!r}: {reason}"
-            self.failed.append((name, self.key(plan, name), reason))
-            return reason
-        finally:
-            self.seconds += time.perf_counter() - start
-            if debug is not None:
-                os.environ["AUTOHYBRID_DEBUG"] = debug
-        self.ok.add(full)
-        if self.keep:
-            self._kept = (full, result)
-        return None
-
-    def kept(self, plan: Plan) -> tuple | None:
-        """The program `rewrite` built for `plan` in a successful trial (keep=True)."""
-        if self._kept is not None and self._kept[0] == self.key(plan) \
-                and min(self.rank, plan.world_size - 1) == self.rank:
-            return self._kept[1]
-        return None
-
-
 def _params(gm: fx.GraphModule) -> dict[str, fx.Node]:
     """Parameter placeholders by canonical name (a tied parameter once)."""
     out: dict[str, fx.Node] = {}
@@ -369,13 +220,13 @@ def _params(gm: fx.GraphModule) -> dict[str, fx.Node]:
     return out
 
 
-def _check(train: CapturedGraph, gm: fx.GraphModule, notes: dict[str, Any], plan: Plan,
-           profile: ModelProfile, rank: int, note: str, timings: dict[str, float]
-           ) -> DryRunReport:
+def _check(train: CapturedGraph, program: RankProgram, profile: ModelProfile, note: str,
+           timings: dict[str, float]) -> DryRunReport:
+    gm, plan, rank = program.gm, program.plan, program.rank
     full = {k: tuple(int(s) for s in n.meta[VAL].shape) for k, n in _params(train.gm).items()}
     local_nodes = _params(gm)
     local = {k: tuple(int(s) for s in n.meta[VAL].shape) for k, n in local_nodes.items()}
-    specs = notes.get("param_shards", {})
+    specs = program.param_shards
     mismatches = []
     for key, shape in full.items():
         want = list(shape)
@@ -410,7 +261,7 @@ def _check(train: CapturedGraph, gm: fx.GraphModule, notes: dict[str, Any], plan
         expected_collectives=expected_collectives(train.gm, profile.layout, plan.mesh.tp,
                                                   profile.kv_heads),
         shape_mismatches=mismatches, largest_param=biggest(local),
-        largest_full_param=biggest(full), timings=timings, gm=gm, notes=notes,
+        largest_full_param=biggest(full), timings=timings, program=program,
         local_shapes=local)
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,12 +39,10 @@ from ..ops.zero import release_gathered
 from ..passes.manager import disabled_passes
 from ..plan import Plan
 from .collectives import gradient_all_reduce
+from .pipeline import PipelineRunner, tree_map
 from .precision import LossScaler, any_nonfinite
 from .reducer import GradReducer
 from .zero import ZeroShards
-
-if TYPE_CHECKING:  # pipeline.py imports this module's tree helper
-    from .pipeline import PipelineRunner
 
 
 @dataclass
@@ -244,17 +242,6 @@ def gather_batch(t: torch.Tensor, sizes: list[int], group: dist.ProcessGroup) ->
     out = t.new_empty((longest * len(sizes), *t.shape[1:]))
     all_gather_single(out, padded.contiguous(), group=group)
     return torch.cat([out[i * longest: i * longest + s] for i, s in enumerate(sizes)])
-
-
-def tree_map(obj: Any, fn) -> Any:
-    """`fn` applied to every tensor of nested tuples, lists and dicts."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(tree_map(o, fn) for o in obj)
-    if isinstance(obj, dict):
-        return {k: tree_map(v, fn) for k, v in obj.items()}
-    return obj
 
 
 def check_same_plan(plan_hash: str, group: dist.ProcessGroup | None = None) -> None:

@@ -14,9 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import ops
 from ..errors import ClusterError
-from ..plan import Plan
-
-AXES = ("pp", "dp", "tp")
+from ..plan import AXES, Plan
 
 
 def ensure_initialized(world_size: int) -> None:

@@ -19,7 +19,7 @@ from torch import nn
 from ..errors import ModelError
 from ..init import init_specs, materialize_buffers, replace_parameters, values
 from ..ops.zero import chunk, shard_of
-from ..passes.tensor_parallel import ShardSpec
+from ..program import ShardSpec
 
 
 class Materializer:

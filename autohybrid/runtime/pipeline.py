@@ -51,9 +51,8 @@ from ..capture import CapturedGraph
 from ..errors import AutohybridError, PlanError
 from ..graph import VAL
 from ..ops.zero import release_gathered
-from ..passes.pipeline_split import PipelineSplit, StageGraph
 from ..plan import Plan
-from .executor import tree_map
+from ..program import PipelineSplit, StageGraph
 
 SCHEDULE_CLASSES = {
     "gpipe": tpp.ScheduleGPipe,
@@ -356,6 +355,22 @@ class PipelineRunner:
         return [[parts[k] for parts in split] for k in range(m)]
 
 
+def merge_stages(local: dict[str, Any], canonical: dict[str, str], owned: set[str],
+                 pp_group: dist.ProcessGroup, pp: int, device: torch.device) -> dict[str, Any]:
+    """`local` with every parameter entry taken from a pp rank whose stages own it (keys
+    map to canonical parameter names by `canonical`; other entries stay); every rank of
+    the pp group must call it."""
+    mine = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v)
+            for k, v in local.items() if canonical.get(k) in owned}
+    pieces: list[Any] = [None] * pp
+    dist.all_gather_object(pieces, mine, group=pp_group)
+    out = dict(local)
+    for piece in reversed(pieces):
+        out.update({k: (v.to(device) if isinstance(v, torch.Tensor) else v)
+                    for k, v in piece.items()})
+    return out
+
+
 def shared_grad_groups(plan: Plan, split: PipelineSplit) -> dict[str, dist.ProcessGroup]:
     """For each parameter that stages on several pp ranks read: the process group of those
     ranks at this rank's (dp, tp) coordinate. Every rank creates every group, in the same
@@ -408,3 +423,14 @@ def _metas(vals: Sequence[Any], requires_grad: Sequence[bool],
         t = torch.empty([_size(s, env) for s in val.shape], dtype=val.dtype, device="meta")
         out.append(t.requires_grad_(grad and t.is_floating_point()))
     return tuple(out)
+
+
+def tree_map(obj: Any, fn) -> Any:
+    """`fn` applied to every tensor of nested tuples, lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(tree_map(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return {k: tree_map(v, fn) for k, v in obj.items()}
+    return obj

@@ -22,7 +22,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from ..errors import NotExecutableError
+from ..errors import AutohybridError, NotExecutableError
 
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -77,3 +77,20 @@ def any_nonfinite(grads: Iterable[torch.Tensor | None]) -> bool:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
     return bool(found.item())
+
+
+def loss_scaler(autocast: torch.dtype | None,
+                grad_scaler: torch.amp.GradScaler | bool | None) -> LossScaler | None:
+    """fp16 mixed precision scales the loss (GradScaler's defaults, or `grad_scaler`'s
+    settings); False turns it off; other dtypes need none."""
+    if autocast != torch.float16 or grad_scaler is False:
+        if isinstance(grad_scaler, torch.amp.GradScaler):
+            raise AutohybridError("grad_scaler is for float16 mixed precision "
+                                  "(ah.compile(..., dtype=torch.float16))")
+        return None
+    if isinstance(grad_scaler, torch.amp.GradScaler):
+        return LossScaler.like(grad_scaler)
+    if grad_scaler not in (None, True):
+        raise AutohybridError(f"grad_scaler must be a torch.amp.GradScaler, True, False or "
+                              f"None, got {type(grad_scaler).__name__}")
+    return LossScaler()

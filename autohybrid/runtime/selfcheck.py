@@ -49,12 +49,12 @@ import torch.nn as nn
 from ..cost.memory import usable_bytes
 from ..errors import AutohybridError, NumericsError
 from ..plan import Plan
+from .compare import (_DEFAULT_RTOL, _RTOL, _close, _differs, has_random_ops,  # noqa: F401
+                      refuse_random)
 
 #: the values of ah.compile(check=...) besides True / False
 CHECK_MODES = ("whole", "stage")
 
-_RTOL = {torch.float16: 5e-2, torch.bfloat16: 5e-2}
-_DEFAULT_RTOL = 1e-3
 
 
 def requested_check(check: Any) -> str | None:
@@ -138,38 +138,6 @@ def make_check(mode: str | None, model: nn.Module, plan: Plan, rank: int,
 def _gib(n: float) -> str:
     return f"{n / 2**30:.3g} GiB"
 
-
-def has_random_ops(gm: fx.GraphModule) -> bool:
-    """Whether the graph draws random numbers (dropout with p > 0, rand*, bernoulli)."""
-    return any(_draws(node) for node in gm.graph.nodes if node.op == "call_function")
-
-
-def _draws(node: fx.Node) -> bool:
-    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
-        return False
-    name = getattr(node.target, "__name__", "")
-    if "scaled_dot_product" in name:   # (q, k, v, mask, dropout_p, ...)
-        p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
-        return p != 0.0
-    if name.startswith(("native_dropout", "dropout")):   # (x, p, train)
-        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
-        return p != 0.0 and train is not False
-    return True
-
-
-def refuse_random(gm: fx.GraphModule, dp: int, num_microbatches: int) -> None:
-    """AutohybridError when the train graph draws random numbers and the plan splits the
-    batch: such a step draws other masks than eager's by design."""
-    if has_random_ops(gm) and (dp > 1 or num_microbatches > 1):
-        raise AutohybridError(
-            "check=True cannot compare this plan with eager: the model draws random "
-            f"numbers (dropout) and the plan splits the batch (dp={dp}, "
-            f"{num_microbatches} microbatches per rank), so each shard draws its own "
-            "masks. Check with dropout at 0, or pin dp=1 and num_microbatches=1 for "
-            "the checked run")
-
-
 class FirstStepCheck:
     """Rank 0's eager copy of the model and the comparison of the first step."""
 
@@ -237,25 +205,3 @@ class FirstStepCheck:
                         "not compute eager's gradient: pin another layout "
                         "(e.g. constraints=ah.Constraints(tp=1)) and report the model")
         return None
-
-
-def _close(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> bool:
-    return bool((a - b).abs().max() <= atol + rtol * b.abs().max())
-
-
-def _differs(name: str, got: torch.Tensor | None, want: torch.Tensor | None,
-             rtol: float, atol: float) -> str | None:
-    if (got is None) != (want is None):
-        return ("eager has a gradient, the compiled model none" if got is None
-                else "the compiled model has a gradient, eager none")
-    if want is None or want.numel() == 0:
-        return None
-    if tuple(got.shape) != tuple(want.shape):
-        return f"shape {tuple(got.shape)} vs eager's {tuple(want.shape)}"
-    got = got.to(want.dtype)
-    if _close(got, want, rtol, atol):
-        return None
-    diff = (got - want).abs().max().item()
-    peak = want.abs().max().item()
-    return (f"largest difference {diff:.3g} of a largest gradient {peak:.3g} "
-            f"({diff / peak:.1%} of it)" if peak else f"largest difference {diff:.3g}")

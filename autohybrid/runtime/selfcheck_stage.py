@@ -51,7 +51,7 @@ from ..passes.manager import copy_graph_module
 from ..passes.pipeline_split import assign_stages, recomputed
 from ..plan import Plan
 from .materialize import retarget_device
-from .selfcheck import _RTOL, _DEFAULT_RTOL, _close, _differs, refuse_random
+from .compare import _RTOL, _DEFAULT_RTOL, _close, _differs, refuse_random
 from .stage_exchange import recv_like, recv_value, send_tensor, send_value, wait_all
 
 

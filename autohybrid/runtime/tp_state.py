@@ -1,7 +1,7 @@
 """This rank's shards of the parameters tensor parallelism splits, and their gathering.
 
 The tensor_parallel pass says how each split parameter is cut (`ShardSpec`, in
-`notes["param_shards"]`). `ShardedParameters` makes this rank's shard of each one a new
+`RankProgram.param_shards`, autohybrid/program.py). `ShardedParameters` makes this rank's shard of each one a new
 Parameter (the optimizer steps these), puts it in the program's state under the
 parameter's canonical name (tied parameters share the shard), and gathers shards back
 over the tp group into full tensors for `full_state_dict`, `full_grads` and the global
@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import RuntimeFailure
-from ..passes.tensor_parallel import ShardSpec
+from ..program import ShardSpec
 
 
 class ShardedParameters:

@@ -54,7 +54,6 @@ import torch
 import torch.fx as fx
 
 from ..cost.compute import nbytes_expr, sym_expr
-from ..errors import PlanError
 from ..graph import AH_PARAM, AH_ROLE, VAL, op_name, schema_args
 
 R = "replicate"
@@ -491,39 +490,6 @@ def follow_blocked(user: fx.Node, src: fx.Node, dim: int, blocks: tuple[int, ...
             _static(out.shape[moved]) != _static(val.shape[dim]):
         return None  # e.g. repeat_interleave: the blocks no longer line up
     return moved, blocks
-
-
-def megatron_layout(gm: fx.GraphModule, choices: dict[str, str] | None = None
-                    ) -> TensorParallelLayout:
-    """Propagate Megatron's shardings through `gm` (forward graph order), proven.
-
-    `choices` decides open generic linears by node name ("column" or "replicate"); the
-    ones it leaves out keep Megatron's rule (replicated). The layout returned satisfies
-    every collective's gradient contract (search/tp_gradients.py): where a column linear's
-    sharding would make a gradient partial, that linear is replicated instead and the
-    layout recomputed — the result is never one that would run with a wrong gradient.
-    """
-    from .tp_gradients import gradient_problems, sharding_sources
-
-    choices = choices or {}
-    forced: dict[str, str] = {}
-    while True:
-        layout = propagate_layout(gm, choices, forced)
-        problems = gradient_problems(gm, layout)
-        if not problems:
-            layout.partial_grads.clear()
-            layout.replicated_for_gradients = dict(forced)
-            return layout
-        added = False
-        for problem in problems:
-            for linear in sharding_sources(gm, layout, problem.origin):
-                if linear not in forced:
-                    forced[linear] = problem.describe(gm)
-                    added = True
-        if not added:  # nothing left to replicate: a bug in the propagation, never run it
-            raise PlanError("tensor parallelism: no layout of this graph satisfies the "
-                            f"gradient contracts on mesh axis 'tp': {problems[0].describe(gm)}; "
-                            "pin tp=1")
 
 
 def propagate_layout(gm: fx.GraphModule, choices: dict[str, str],

@@ -20,7 +20,8 @@ from ..cost.compute import (MATMUL_OPS, _tensors, bytes_moved, forward_flops, nb
                             grad_nodes, numel_expr, saved_nodes, sym_expr)
 from ..graph import AH_PARAM, AH_ROLE, VAL, VIEW_OPS, op_name
 from .layers import Layer, segment
-from .sharding import R, TensorParallelLayout, megatron_layout, param_key
+from .sharding import R, TensorParallelLayout, param_key
+from .tp_gradients import megatron_layout
 from .tp_choice import Rates, choose_layout
 
 #: Order of the per-layer quantities evaluated together (one compiled function per layer).

@@ -24,7 +24,8 @@ import torch.fx as fx
 from ..cost.compute import MATMUL_EFFICIENCY, MATMUL_OPS, MEMORY_EFFICIENCY, bytes_moved, \
     forward_flops
 from ..graph import op_name
-from .sharding import TensorParallelLayout, megatron_layout
+from .sharding import TensorParallelLayout
+from .tp_gradients import megatron_layout
 
 #: Forward + backward over forward (backward computes two products per forward one).
 TRAINING_FACTOR = 3.0

@@ -21,7 +21,7 @@ statistics times a hidden-split activation, `rsqrt(mean(x²)) * x`: each rank's 
 the statistics sums over its own slice of the hidden dim. Through replicated ops a partial
 gradient stays partial. `gradient_problems` propagates the kinds backwards over a layout
 and returns, per origin, the contract the partial gradient would break; `megatron_layout`
-(search/sharding.py) replicates the column linears whose sharding reaches the origin
+(below) replicates the column linears whose sharding reaches the origin
 (`sharding_sources`) until no problem is left, so a layout the search can choose never
 runs a `tp_gather` (or `tp_reduce`) into a consumer whose gradient is not replicated.
 """
@@ -34,9 +34,10 @@ import torch.fx as fx
 
 from ..capture import _WRAPPER_PREFIX
 from ..cost.compute import grad_nodes
+from ..errors import PlanError
 from ..graph import AH_ROLE, VAL, module_path, op_name, source_line
 from .sharding import (R, TensorParallelLayout, _BROADCASTING, _ELEMENTWISE_PREFIXES,
-                       param_key, shard_dim)
+                       param_key, propagate_layout, shard_dim)
 
 AXIS = "tp"
 
@@ -174,3 +175,34 @@ def sharding_sources(gm: fx.GraphModule, layout: TensorParallelLayout, origin: s
             continue
         frontier.extend(a for a in node.all_input_nodes if layout.is_sharded(a))
     return found
+
+
+def megatron_layout(gm: fx.GraphModule, choices: dict[str, str] | None = None
+                    ) -> TensorParallelLayout:
+    """Propagate Megatron's shardings through `gm` (forward graph order), proven.
+
+    `choices` decides open generic linears by node name ("column" or "replicate"); the
+    ones it leaves out keep Megatron's rule (replicated). The layout returned satisfies
+    every collective's gradient contract (search/tp_gradients.py): where a column linear's
+    sharding would make a gradient partial, that linear is replicated instead and the
+    layout recomputed — the result is never one that would run with a wrong gradient.
+    """
+    choices = choices or {}
+    forced: dict[str, str] = {}
+    while True:
+        layout = propagate_layout(gm, choices, forced)
+        problems = gradient_problems(gm, layout)
+        if not problems:
+            layout.partial_grads.clear()
+            layout.replicated_for_gradients = dict(forced)
+            return layout
+        added = False
+        for problem in problems:
+            for linear in sharding_sources(gm, layout, problem.origin):
+                if linear not in forced:
+                    forced[linear] = problem.describe(gm)
+                    added = True
+        if not added:  # nothing left to replicate: a bug in the propagation, never run it
+            raise PlanError("tensor parallelism: no layout of this graph satisfies the "
+                            f"gradient contracts on mesh axis 'tp': {problems[0].describe(gm)}; "
+                            "pin tp=1")

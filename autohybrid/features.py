@@ -4,11 +4,11 @@
 among plans for which `unsupported(plan)` is empty, and refuses a pinned constraint or a
 saved plan that needs a missing feature with `NotExecutableError`. A feature being here
 is necessary, not sufficient: the search also runs the passes of the plan it would
-choose on the model's graph (runtime/dry_run.PassTrial) and drops a plan they reject.
+choose on the model's graph (trial.py PassTrial) and drops a plan they reject.
 """
 from __future__ import annotations
 
-from ..plan import Plan
+from .plan import Plan
 
 def unsupported(plan: Plan) -> list[str]:
     """Why the runtime cannot run `plan` yet (empty when it can)."""

@@ -1,0 +1,99 @@
+"""The one compile pipeline step after planning: `rewrite(captured, plan, rank)` runs the
+passes for one rank and returns its frozen RankProgram (autohybrid/program.py).
+
+Every caller uses it: `ah.compile` (compiled.py, on the process groups of the job),
+the planner's trial of a plan (trial.py), the dry run at scale (runtime/dry_run.py),
+`autohybrid inspect` and the report (report/program.py). Those without a job bind each
+mesh axis to torch's fake process group of its size (`fake_groups=True`, or the
+`fake_process_groups` context manager around any code): nothing is allocated and no
+message is sent, but every pass runs exactly as on rank `rank` of the real job.
+
+The passes leave their facts in `PassContext.notes` while they run; this module is the
+only reader of that scratch space, and what leaves it is the RankProgram.
+"""
+from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager, nullcontext
+from types import MappingProxyType
+from typing import Any, Iterator
+
+from . import ops
+from .capture import CapturedGraph
+from .passes import ORDER, PassContext, passes_for, run_passes
+from .plan import AXES, Plan
+from .program import RankProgram
+
+#: The notes the passes leave (passes/*.py) → the RankProgram field each becomes.
+NOTE_FIELDS = {
+    "loss_kind": "loss_kind", "loss_output_index": "loss_output_index",
+    "pipeline": "pipeline", "param_shards": "param_shards", "tp_layout": "tp_layout",
+    "fusion": "fused_regions", "zero_gathers": "zero_gathers",
+    "overlap_moved": "overlap_moved", "overlap_split": "overlap_split",
+    "collective_matmuls": "collective_matmuls",
+}
+
+
+def rewrite(captured: CapturedGraph, plan: Plan, rank: int, *, example_inputs: tuple = (),
+            snapshots: bool = False, fake_groups: bool = False) -> RankProgram:
+    """Rank `rank`'s program for `captured` under `plan`.
+
+    `example_inputs` give the device of a graph captured under autocast (the passes'
+    fake values follow autocast, as the graph runs); `snapshots=True` keeps a copy of the
+    graphs after each pass (`RankProgram.snapshots`); `fake_groups=True` runs the passes
+    on fake process groups (`fake_process_groups`), else on the groups bound now.
+    """
+    with fake_process_groups(plan, rank) if fake_groups else nullcontext():
+        kind = "train" if captured.with_loss else "forward"
+        ctx = PassContext(plan=plan, rank=rank, coords=plan.mesh.coords(rank),
+                          graph_kind=kind, snapshots=[] if snapshots else None)
+        if captured.with_loss:
+            ctx.notes["loss_output_index"] = captured.user_outputs[0]
+        with captured.autocast_context(example_inputs):
+            gm = run_passes(captured.gm, ctx, passes_for(kind), known=ORDER)
+    return _program(captured, gm, ctx)
+
+
+def _program(captured: CapturedGraph, gm: Any, ctx: PassContext) -> RankProgram:
+    """The frozen RankProgram of a finished PassContext."""
+    unknown = sorted(set(ctx.notes) - set(NOTE_FIELDS))
+    if unknown:  # a pass left a fact nobody would read: give it a RankProgram field
+        raise AssertionError(f"rewrite: the passes left notes {unknown} that RankProgram "
+                             "has no field for (autohybrid/rewrite.py NOTE_FIELDS)")
+    facts: dict[str, Any] = {NOTE_FIELDS[k]: v for k, v in ctx.notes.items()}
+    if "param_shards" in facts:
+        facts["param_shards"] = MappingProxyType(dict(facts["param_shards"]))
+    if "fused_regions" in facts:
+        facts["fused_regions"] = tuple(facts["fused_regions"])
+    outputs = list(captured.user_outputs)
+    if captured.with_loss:  # global_loss appended the denominator as the last output
+        outputs.append(len(captured.mutated_buffers) + len(captured.user_outputs))
+    return RankProgram(
+        plan=ctx.plan, rank=ctx.rank, coords=ctx.coords, kind=ctx.graph_kind,
+        captured=captured,
+        runnable=dataclasses.replace(captured, gm=gm, user_outputs=outputs),
+        pass_seconds=MappingProxyType(dict(ctx.pass_seconds)),
+        snapshots=tuple((name, MappingProxyType(graphs))
+                        for name, graphs in ctx.snapshots or ()),
+        **facts)
+
+
+@contextmanager
+def fake_process_groups(plan: Plan, rank: int) -> Iterator[None]:
+    """Each mesh axis of `plan` bound, for rank `rank`, to torch's standalone fake process
+    group of its size; the previous bindings restored on exit.
+
+    No default process group is created or touched, so this works in any process, also
+    on a rank of a live job (`ah.compile`'s trial of a plan)."""
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    saved = ops.groups.snapshot()
+    try:
+        ops.groups.clear()
+        sizes = (plan.mesh.pp, plan.mesh.dp, plan.mesh.tp)
+        for axis, size, index in zip(AXES, sizes, plan.mesh.coords(rank)):
+            ops.groups.bind(axis, FakeProcessGroup._create_internal(index, size)
+                            if size > 1 else None)
+        yield
+    finally:
+        ops.groups.restore(saved)
