@@ -89,6 +89,9 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
     """Compile `model` for `cluster`: capture, plan (or check `plan`), rewrite, set up ranks.
 
     Call it on every rank (inside `ah.launch` or torchrun) with the same arguments.
+    Without `plan`, rank 0 searches one and hands it to the others (what the search
+    raises, every rank raises): the search is deterministic, so the others would only
+    repeat it (runtime/groups.from_rank_zero).
     `dtype` narrower than the model's float32 parameters is mixed precision (autocast
     compute, fp32 master weights: runtime/precision.py); with float16 the loss is scaled
     dynamically as a `torch.amp.GradScaler` would (`grad_scaler`: its settings; False: off).

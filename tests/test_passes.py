@@ -532,3 +532,30 @@ def test_manager_checks_what_a_pass_returns() -> None:
 
     with pytest.raises(GraphFormatError, match="after pass 'python_call'"):
         run_passes(cap.gm, ctx, [("python_call", python_call)])
+
+
+# ============================================================================ repeatable
+@pytest.mark.timeout(120)
+def test_a_rewrite_leaves_the_capture_as_it_found_it(monkeypatch):
+    """Every rewrite of one capture gives the same program: the passes never specialize
+    the capture's symbolic sizes. aten.gru's fake kernel reads numel(); before the passes
+    ran with the ShapeEnv's guards suppressed, the first rewrite replaced the batch symbol
+    by its example value, the next saw a static batch and chose another loss form, and a
+    GRU under tp2 trained with wrong gradients wherever ranks had rewritten it a
+    different number of times (rank 0 runs the planner's trial)."""
+    from autohybrid.graph import fake_mode
+    from autohybrid.models import coverage
+    from autohybrid.rewrite import rewrite
+
+    case = coverage.build("gru")
+    (x,), y = case.batches[0]
+    plan = ah.plan(case.model, ah.Cluster.local(2), (x,), loss_fn=case.loss_fn,
+                   example_targets=(y,), constraints=ah.Constraints(tp=2, pp=1, dp=1))
+    monkeypatch.setenv("AUTOHYBRID_CAPTURE_CACHE", "0")      # a capture no rewrite has seen
+    cap = capture(case.model, (x,), case.loss_fn, (y,))
+    env = fake_mode(cap.gm).shape_env
+    before = (list(env.guards), dict(env.replacements))
+    first, second = (rewrite(cap, plan, 0, fake_groups=True) for _ in range(2))
+    assert (list(env.guards), dict(env.replacements)) == before
+    assert first.runnable.gm.code == second.runnable.gm.code
+    assert first.loss_kind == second.loss_kind == "mean"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -19,7 +20,7 @@ import torch.fx as fx
 
 from ..blame import PassFailure
 from ..errors import AutohybridError
-from ..graph import shared_fake_values, verify
+from ..graph import fake_mode, shared_fake_values, verify
 from ..plan import Plan
 
 log = logging.getLogger("autohybrid.passes")
@@ -109,9 +110,20 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[tuple[str, Pas
     """Apply `passes` in order to a copy of `gm`; the captured graph is never modified.
     `known`: every pass's name, which AUTOHYBRID_DISABLE_PASSES may use (default: those
     of `passes`). Fake values recomputed for identical ops on identical inputs are
-    computed once (graph.shared_fake_values: a model's repeated blocks)."""
+    computed once (graph.shared_fake_values: a model's repeated blocks).
+
+    Nor is the capture's ShapeEnv: the passes run with its guards suppressed. A fake
+    kernel a pass reruns may ask for a concrete size (aten.gru's reads numel()), which
+    otherwise records a guard and replaces the batch symbol by its example value for
+    good; every later rewrite of that capture in the process (the memo reuses it) then
+    saw a static batch, and global_loss, unable to prove the loss per sample, chose
+    another loss form. Ranks with different histories (rank 0 ran the planner's trial,
+    the others did not) then ran different loss forms and trained a GRU under tp2
+    with wrong gradients. Every rewrite must be a function of the graph and the plan."""
     off = disabled_passes(known if known is not None else [name for name, _ in passes])
-    with shared_fake_values():
+    mode = fake_mode(gm)
+    env = getattr(mode, "shape_env", None)
+    with shared_fake_values(), (env.suppress_guards() if env is not None else nullcontext()):
         return _run_passes(gm, ctx, passes, off)
 
 
