@@ -341,9 +341,10 @@ class CompiledModel:
 
     def _rewrite(self, kind: str, cap: CapturedGraph) -> RankProgram:
         """Run the passes on `cap`'s graph (autohybrid/rewrite.py, on this job's groups);
-        the result is this rank's program for `kind`. (The search's trial program is not
-        reused: reusing it trained LSTM/GRU under tp2 with wrong gradients, cause not yet
-        found; see the session note of 2026-12-02.)"""
+        the result is this rank's program for `kind`. Every rank rewrites its own graph,
+        on its real groups; the search's trial (rank 0's program on fake groups) is not
+        reused. (Reusing it once trained a GRU under tp2 with wrong gradients; the cause,
+        a pass specializing the capture's batch symbol, is fixed in passes/manager.py.)"""
         program = rewrite(cap, self._pass_plan(cap), self.rank,
                           example_inputs=self.example_inputs)
         if self.materializer is not None:  # captured on meta, runs on this device

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .. import ops
-from ..errors import ClusterError
+from ..errors import AutohybridError, ClusterError
 from ..plan import AXES, Plan
 
 
@@ -60,7 +60,6 @@ def _portable(exc: Exception) -> Exception:
         pickle.loads(pickle.dumps(exc))
         return exc
     except Exception:
-        from ..errors import AutohybridError
         return AutohybridError(f"rank 0: {type(exc).__name__}: {exc}")
 
 
