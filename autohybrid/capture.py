@@ -29,7 +29,7 @@ import torch.nn as nn
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from . import capture_cache
+from . import capture_cache, capture_wire
 from .capture_blocks import export_by_blocks
 from .errors import CaptureError
 from .graph import AH_BUFFER, AH_PARAM, AH_ROLE, VAL, graph_hash, verify
@@ -65,6 +65,11 @@ class CapturedGraph:
     #: mixed precision: the graph was captured, and runs, under torch.autocast to this
     #: dtype (its fake values carry autocast's dtypes; the parameters keep theirs)
     autocast: torch.dtype | None = None
+    #: the exported program `gm` is the graph module of (what capture_wire.py sends)
+    exported: ExportedProgram | None = field(default=None, repr=False, compare=False)
+    #: where the graph came from: "export" (this process traced the model) or "wire:"
+    #: and the fingerprint of the rank's graph it was loaded from (capture_wire.py)
+    origin: str = "export"
 
     def default_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Parameters and buffers of `model` keyed by the canonical names of the graph."""
@@ -191,22 +196,7 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
     graph keeps autocast's dtypes in its fake values and `run` applies autocast again
     (export records the ops, not autocast's casts).
     """
-    if not isinstance(model, nn.Module):
-        raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    inputs, targets = as_tuple(example_inputs), as_tuple(example_targets) if with_loss else ()
-    for name, group in (("example_inputs", inputs), ("example_targets", targets)):
-        for i, t in enumerate(group):
-            if not isinstance(t, torch.Tensor):
-                raise CaptureError(f"{name}[{i}] must be a tensor, got {type(t).__name__}")
-            if t.dim() == 0:
-                raise CaptureError(f"{name}[{i}] is a scalar; inputs need a batch dim (dim 0)")
-    if not inputs:
-        raise CaptureError("example_inputs is empty: give at least one input tensor")
-    device = next((p.device for p in model.parameters()), None)
-    if device is not None and device.type == "meta":
-        inputs = tuple(t.to("meta") for t in inputs)
-        targets = tuple(t.to("meta") for t in targets)
-    inputs, targets = _widen(inputs), _widen(targets)
+    inputs, targets = _prepare(model, example_inputs, example_targets, with_loss)
     key = capture_cache.capture_key(model, inputs, targets, loss_fn, with_loss=with_loss,
                                     autocast=autocast)
     cached = capture_cache.lookup(key, model)
@@ -224,12 +214,80 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
         ep, method = export_by_blocks(wrapper, args, dynamic), "export"
         if ep is None:
             ep, method = _export_with_fallback(wrapper, model, args, dynamic, missing)
+    cap = _finish(ep, model, method, inputs, targets, with_loss, autocast)
+    capture_cache.store(key, cap)
+    return cap
+
+
+def capture_digest(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = None,
+                   example_targets: Any = None, *, with_loss: bool = True,
+                   autocast: torch.dtype | None = None) -> tuple[str | None, str | None]:
+    """(digest, origin) of what `capture` with these arguments would return: the digest
+    names everything the graph depends on the same way in every process (None: some part
+    has no fingerprint); origin is the memoized graph's (`CapturedGraph.origin`), None
+    when this process has not captured it. runtime/capture_share.py compares both
+    across ranks."""
+    inputs, targets = _prepare(model, example_inputs, example_targets, with_loss)
+    digest = capture_cache.portable_digest(model, inputs, targets, loss_fn,
+                                           with_loss=with_loss, autocast=autocast)
+    key = capture_cache.capture_key(model, inputs, targets, loss_fn, with_loss=with_loss,
+                                    autocast=autocast)
+    cached = capture_cache.lookup(key, model)
+    return digest, None if cached is None else cached.origin
+
+
+def capture_from(data: bytes, model: nn.Module, example_inputs: Any,
+                 loss_fn: Callable | None = None, example_targets: Any = None, *,
+                 with_loss: bool = True, autocast: torch.dtype | None = None) -> CapturedGraph:
+    """What `capture` returns for these arguments, loaded from another process's capture
+    of the same model (`capture_wire.dumps`) instead of exported here; memoized like a
+    capture. Raises `capture_wire.WireMismatch` when the loaded graph is not the sent one."""
+    inputs, targets = _prepare(model, example_inputs, example_targets, with_loss)
+    wrapper = _WithLoss(model, loss_fn, len(inputs)) if with_loss else _ForwardOnly(model)
+    ep, method, expected = capture_wire.loads(data, wrapper)
+    cap = _finish(ep, model, method, inputs, targets, with_loss, autocast)
+    found = capture_wire.fingerprint(cap)
+    if found != expected:
+        raise capture_wire.WireMismatch(
+            f"the loaded graph (fingerprint {found[:12]}) is not the one sent "
+            f"({expected[:12]})")
+    cap.origin = f"wire:{expected[:24]}"
+    capture_cache.store(capture_cache.capture_key(model, inputs, targets, loss_fn,
+                                                  with_loss=with_loss, autocast=autocast),
+                        cap)
+    return cap
+
+
+def _prepare(model: nn.Module, example_inputs: Any, example_targets: Any,
+             with_loss: bool) -> tuple[tuple, tuple]:
+    """The example inputs and targets as capture traces them (checked, on the model's
+    meta device where it is on one, size-1 dynamic dims widened)."""
+    if not isinstance(model, nn.Module):
+        raise CaptureError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    inputs, targets = as_tuple(example_inputs), as_tuple(example_targets) if with_loss else ()
+    for name, group in (("example_inputs", inputs), ("example_targets", targets)):
+        for i, t in enumerate(group):
+            if not isinstance(t, torch.Tensor):
+                raise CaptureError(f"{name}[{i}] must be a tensor, got {type(t).__name__}")
+            if t.dim() == 0:
+                raise CaptureError(f"{name}[{i}] is a scalar; inputs need a batch dim (dim 0)")
+    if not inputs:
+        raise CaptureError("example_inputs is empty: give at least one input tensor")
+    device = next((p.device for p in model.parameters()), None)
+    if device is not None and device.type == "meta":
+        inputs = tuple(t.to("meta") for t in inputs)
+        targets = tuple(t.to("meta") for t in targets)
+    return _widen(inputs), _widen(targets)
+
+
+def _finish(ep: ExportedProgram, model: nn.Module, method: str, inputs: tuple,
+            targets: tuple, with_loss: bool, autocast: torch.dtype | None) -> CapturedGraph:
     cap = _from_exported(ep, model, method, len(inputs), len(targets), with_loss)
     cap.autocast = autocast
-    cap.example_shapes = [tuple(t.shape) for t in args]
+    cap.example_shapes = [tuple(t.shape) for t in (*inputs, *targets)]
+    cap.exported = ep
     verify(cap.gm, "capture")
     cap.hash = graph_hash(cap.gm)
-    capture_cache.store(key, cap)
     return cap
 
 

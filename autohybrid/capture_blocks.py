@@ -13,8 +13,10 @@ export, silently except for a line on the `autohybrid.capture` logger
 (`AUTOHYBRID_LOG=capture`): a model without such a list, hooks, an instance-level forward,
 blocks sharing parameters with anything, ops between blocks, blocks that differ in a
 non-periodic way, a part before or after the blocks that changes with the depth, or any
-rule of the splice that the two small exports do not follow. `AUTOHYBRID_CAPTURE=full`
-forces the full export (tests, bisecting). It must not change the model (blocks removed
+rule of the splice that the two small exports do not follow, and a model with too few
+blocks for the two small exports to cost less than the full one (`WORTH`).
+`AUTOHYBRID_CAPTURE=full` forces the full export (tests, bisecting), `=blocks` the
+block capture wherever the blocks allow it (tests of small models). It must not change the model (blocks removed
 for the small exports are put back, even on errors).
 
 Example::
@@ -42,6 +44,12 @@ CAPTURE_ENV = "AUTOHYBRID_CAPTURE"
 #: fewest repeats of the block pattern worth replicating (below, the larger small export
 #: is the full one)
 MIN_UNITS = KEPT_TRIES[0] + 2
+#: the two small exports (k and k + 1 units, 2k + 1 in all) must hold at most 1/WORTH of
+#: the blocks: each export pays a fixed cost (tracing the code around the blocks, setting
+#: up torch.export) besides its blocks, so two small exports of more blocks than that
+#: cost as much as the full one (benchmarks/search_scaling.py prints both).
+#: `AUTOHYBRID_CAPTURE=blocks` replicates wherever the blocks allow (tests).
+WORTH = 2
 
 log = logging.getLogger("autohybrid.capture")
 
@@ -132,7 +140,28 @@ def _splice(wrapper: nn.Module, args: tuple, dynamic: tuple, blocks: nn.ModuleLi
         ep_b = _export(wrapper, args, dynamic)
     with _first(blocks, kept * p):
         ep_a = _export(wrapper, args, dynamic)
-    return splice(ep_a, ep_b, list_path, p, len(blocks) // p, kept)
+    spliced = splice(ep_a, ep_b, list_path, p, len(blocks) // p, kept)
+    return _as_exported_program(spliced, ep_b, wrapper)
+
+
+def _as_exported_program(spliced: Any, ep_b: Any, wrapper: nn.Module) -> Any:
+    """The spliced graph as a torch.export ExportedProgram of the whole model (so it can
+    be saved and loaded like a full export's): the state dict is the model's own tensors,
+    symbol ranges and call signature are the small export's (the same inputs)."""
+    from torch.export.exported_program import ExportedProgram
+    from torch.export.graph_signature import InputKind
+
+    state = {}
+    for spec in spliced.graph_signature.input_specs:
+        if spec.kind == InputKind.PARAMETER:
+            state[spec.target] = wrapper.get_parameter(spec.target)
+        elif spec.kind == InputKind.BUFFER and spec.persistent:
+            state[spec.target] = wrapper.get_buffer(spec.target)
+    gm = spliced.graph_module
+    return ExportedProgram(root=gm, graph=gm.graph, graph_signature=spliced.graph_signature,
+                           state_dict=state, range_constraints=dict(ep_b.range_constraints),
+                           module_call_graph=ep_b.module_call_graph,
+                           constants=dict(spliced.constants), verifiers=ep_b.verifiers)
 
 
 def export_by_blocks(wrapper: nn.Module, args: tuple, dynamic: tuple) -> Any | None:
@@ -141,7 +170,8 @@ def export_by_blocks(wrapper: nn.Module, args: tuple, dynamic: tuple) -> Any | N
     `wrapper.model` is the user's model; `args` and `dynamic` are what the full export
     would get. None means: export the whole model (the reason is logged).
     """
-    if os.environ.get(CAPTURE_ENV, "").strip().lower() == "full":
+    mode = os.environ.get(CAPTURE_ENV, "").strip().lower()
+    if mode == "full":
         return None
     model = wrapper.model
     found = block_list(model)
@@ -150,9 +180,11 @@ def export_by_blocks(wrapper: nn.Module, args: tuple, dynamic: tuple) -> Any | N
                  type(model).__name__, MIN_UNITS)
         return None
     path, blocks = found
-    if len(blocks) < 2 * KEPT_TRIES[0] + 1:
-        log.info("full export of %s: %d blocks, as many as the smallest block capture "
-                 "exports", type(model).__name__, len(blocks))
+    worth = 1 if mode == "blocks" else WORTH
+    if len(blocks) < worth * (2 * KEPT_TRIES[0] + 1):
+        log.info("full export of %s: %d blocks, fewer than %d times the %d the smallest "
+                 "block capture exports", type(model).__name__, len(blocks), worth,
+                 2 * KEPT_TRIES[0] + 1)
         return None
     list_path = f"model.{path}"
     start = time.perf_counter()
@@ -163,9 +195,9 @@ def export_by_blocks(wrapper: nn.Module, args: tuple, dynamic: tuple) -> Any | N
         p = _period(trace, blocks)
         out = None
         for kept in KEPT_TRIES:
-            if (2 * kept + 1) * p > len(blocks):
+            if worth * (2 * kept + 1) * p > len(blocks):
                 raise Refused(f"{len(blocks)} blocks: exporting {kept} and {kept + 1} units "
-                              "costs what the full export does")
+                              f"of {p} block(s) costs about what the full export does")
             try:
                 out = _splice(wrapper, args, dynamic, blocks, list_path, trace, p, kept)
                 break

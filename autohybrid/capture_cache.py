@@ -40,6 +40,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import hashlib
+import itertools
 import logging
 import os
 import re
@@ -89,6 +91,32 @@ def capture_key(model: nn.Module, inputs: Sequence[torch.Tensor],
     if not enabled():
         return None
     walk = _Walker()
+    key = _key(walk, model, inputs, targets, loss_fn, with_loss, autocast)
+    return None if key is None else (key, walk.refs)
+
+
+def portable_digest(model: nn.Module, inputs: Sequence[torch.Tensor],
+                    targets: Sequence[torch.Tensor], loss_fn: Callable | None, *,
+                    with_loss: bool, autocast: torch.dtype | None) -> str | None:
+    """The key of `capture_key` as a digest that is the same in every process running
+    the same code on the same model: objects are named by module, qualified name and
+    the digest of their code instead of by identity (runtime/capture_share.py compares
+    it across ranks before one rank's graph serves them all), and the devices with
+    their index (on GPUs each rank traces its own). None where the key is."""
+    if not enabled():
+        return None
+    key = _key(_PortableWalker(), model, inputs, targets, loss_fn, with_loss, autocast)
+    # the devices by index too: a graph names the device its ops create tensors on
+    # (arange(..., device=cuda:0)), so a graph traced on another GPU is not this rank's
+    devices = sorted({str(t.device) for t in (*inputs, *targets)} |
+                     {str(t.device) for t in itertools.islice(model.parameters(), 1)})
+    return None if key is None else \
+        hashlib.sha256(repr((key, devices)).encode()).hexdigest()
+
+
+def _key(walk: "_Walker", model: nn.Module, inputs: Sequence[torch.Tensor],
+         targets: Sequence[torch.Tensor], loss_fn: Callable | None, with_loss: bool,
+         autocast: torch.dtype | None) -> tuple | None:
     try:
         key = (torch.__version__, os.environ.get("AUTOHYBRID_CAPTURE", ""),
                torch.is_grad_enabled(), torch.get_default_dtype(),
@@ -99,7 +127,7 @@ def capture_key(model: nn.Module, inputs: Sequence[torch.Tensor],
     except (Uncacheable, TypeError, ValueError, RecursionError) as exc:
         _log.info("capture not memoized: %s", exc)
         return None
-    return key, walk.refs
+    return key
 
 
 def _tensors(ts: Sequence[torch.Tensor]) -> tuple:
@@ -193,7 +221,7 @@ class _Walker:
         defaults = (self.value(fn.__defaults__, _VALUE_DEPTH),
                     self.value(fn.__kwdefaults__, _VALUE_DEPTH))
         globals_ = self.globals_read(fn.__code__, fn.__globals__, depth) if depth > 0 else ()
-        self.fns[memo] = ("fn", id(fn.__code__), closure, defaults, globals_)
+        self.fns[memo] = ("fn", self.ref(fn.__code__), closure, defaults, globals_)
         return self.fns[memo]
 
     def globals_read(self, code: types.CodeType, globals_: dict, depth: int) -> tuple:
@@ -247,6 +275,45 @@ class _Walker:
         if hasattr(v, "__dict__"):   # configs and the like
             return ("obj", self.ref(type(v)), self.value(dict(vars(v)), depth - 1))
         raise Uncacheable(f"attribute of type {type(v).__name__}")
+
+
+class _PortableWalker(_Walker):
+    """A `_Walker` whose references name objects the same way in every process: a
+    function or class by module, qualified name and code digest, a module by name,
+    code by a digest of its bytecode, constants and names."""
+
+    def ref(self, obj: Any) -> Any:
+        if isinstance(obj, types.CodeType):
+            return ("code", _code_digest(obj))
+        if isinstance(obj, types.ModuleType):
+            return ("module", obj.__name__)
+        if isinstance(obj, logging.Logger):
+            return ("logger", obj.name)
+        name = (getattr(obj, "__module__", None), getattr(obj, "__qualname__", None))
+        if isinstance(obj, (type, types.FunctionType, types.BuiltinFunctionType)) or \
+                all(isinstance(n, str) for n in name):
+            if not all(isinstance(n, str) for n in name):
+                raise Uncacheable(f"{type(obj).__name__} without a qualified name")
+            code = getattr(obj, "__code__", None)
+            return ("named", name, _code_digest(code) if code is not None else None)
+        # an object without a value fingerprint: by its type and address-free repr
+        try:
+            text = repr(obj)
+        except Exception as exc:  # noqa: BLE001 — no repr: no portable name
+            raise Uncacheable(f"{type(obj).__name__} without a repr") from exc
+        return ("object", type(obj).__module__, type(obj).__qualname__,
+                _ADDRESS.sub("0x", text)[:200])
+
+
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+
+
+def _code_digest(code: types.CodeType) -> str:
+    consts = tuple(_code_digest(c) if isinstance(c, types.CodeType)
+                   else _ADDRESS.sub("0x", repr(c)) for c in code.co_consts)
+    return hashlib.sha256(repr((code.co_code, code.co_names, code.co_varnames,
+                                code.co_freevars, code.co_cellvars, consts)).encode()
+                          ).hexdigest()[:24]
 
 
 def _names(code: types.CodeType) -> set[str]:

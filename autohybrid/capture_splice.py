@@ -28,7 +28,7 @@ from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch.fx as fx
-from torch.export.graph_signature import OutputKind, TensorArgument
+from torch.export.graph_signature import ExportGraphSignature, OutputKind, TensorArgument
 
 from .capture_probe import Refused
 from .graph import MODULE_STACK
@@ -338,6 +338,6 @@ class _Builder:
         out = self.graph.output(tuple(results))
         out.meta = dict(old_out.meta)
         gm = fx.GraphModule(self.ep_b.graph_module, self.graph)
-        signature = SimpleNamespace(input_specs=self.specs, output_specs=specs)
+        signature = ExportGraphSignature(input_specs=list(self.specs), output_specs=list(specs))
         return SimpleNamespace(graph_module=gm, graph_signature=signature,
                                constants=self.ep_b.constants)

@@ -36,6 +36,7 @@ from .planning import (check_plan_fits_model, make_plan, optimizer_kind,
 from .program import RankProgram
 from .rewrite import rewrite
 from .runtime.executor import Executor, check_same_plan
+from .runtime.capture_share import capture_once
 from .runtime.groups import build_mesh, ensure_initialized, from_rank_zero
 from .runtime.pipeline import PipelineRunner, merge_stages, shared_grad_groups
 from .runtime.tp_state import ShardedParameters
@@ -125,17 +126,18 @@ class CompiledModel:
         the training graph comes from the first train_step's batch and then gives the
         shards and stages (_adopt_train_layout). The plan names a graph in the model's
         own precision (as ah.plan, also on meta devices, captures it); under mixed
-        precision the programs run under autocast."""
+        precision the programs run under autocast. Each graph is exported once for the
+        job and loaded by every rank (runtime/capture_share.py)."""
         model, inputs, autocast = self.model, self.example_inputs, self.autocast
         if example_targets is None:
-            named = capture(model, inputs, with_loss=False)
+            named = capture_once(model, inputs, with_loss=False)
             if autocast is None:
                 self._forward_captures[model.training] = named
             return named
         targets = tuple(t.to(self.device) for t in as_tuple(example_targets))
-        self._train = capture(model, inputs, self.loss_fn, targets, autocast=autocast)
+        self._train = capture_once(model, inputs, self.loss_fn, targets, autocast=autocast)
         return (self._train if autocast is None
-                else capture(model, inputs, self.loss_fn, targets))
+                else capture_once(model, inputs, self.loss_fn, targets))
 
     def _plan(self, named: CapturedGraph, plan: Plan | None, constraints: Constraints | None,
               global_batch: int | None) -> Plan:

@@ -4,8 +4,8 @@ The search of `ah.plan` and `ah.compile` tries candidates best first and drops t
 pass rejects (search/planner.py): rank `rank`'s program is built with `rewrite` on fake
 process groups (autohybrid/rewrite.py), and any AutohybridError a pass raises becomes
 the reason the plan cannot run. `ah.compile` never reuses a trial's program: it rewrites
-for its own rank on the job's groups (reusing the trial's trained LSTM and GRU under tp2
-with wrong gradients, cause not found).
+for its own rank on the job's groups (the trial ran on rank 0 only, on fake groups;
+compiled._rewrite says why the program is rebuilt).
 """
 from __future__ import annotations
 

@@ -79,14 +79,15 @@ class _Pool:
         _import_all_autohybrid()                  # and the fingerprint covers them all
         ctx = mp.get_context("fork")
         self.world, self.procs, self.conns, self.dirty = world, [], [], False
-        for rank in range(world):
-            parent, child = ctx.Pipe(duplex=True)
-            p = ctx.Process(target=_worker, args=(rank, world, child, os.getpid()),
-                            name=f"autohybrid-test-rank{rank}", daemon=True)
-            p.start()
-            child.close()
-            self.procs.append(p)
-            self.conns.append(parent)
+        with ah.runtime.launch.heap_frozen_for_fork("fork"):
+            for rank in range(world):
+                parent, child = ctx.Pipe(duplex=True)
+                p = ctx.Process(target=_worker, args=(rank, world, child, os.getpid()),
+                                name=f"autohybrid-test-rank{rank}", daemon=True)
+                p.start()
+                child.close()
+                self.procs.append(p)
+                self.conns.append(parent)
 
     def alive(self) -> bool:
         return not self.dirty and all(p.is_alive() for p in self.procs)

@@ -28,8 +28,11 @@ from autohybrid.models.coverage import have_transformers
 
 @pytest.fixture(autouse=True)
 def _export_every_time(monkeypatch):
-    """Each capture here exports (the memo would hand back an earlier test's graph)."""
+    """Each capture here exports (the memo would hand back an earlier test's graph), block
+    by block wherever the blocks allow it: these models are too small for the default
+    to find two small exports cheaper than the full one (capture_blocks.WORTH)."""
     monkeypatch.setenv("AUTOHYBRID_CAPTURE_CACHE", "0")
+    monkeypatch.setenv(CAPTURE_ENV, "blocks")
 
 
 LOGGER = "autohybrid.capture"
@@ -53,7 +56,7 @@ def _both(model: nn.Module, loss_fn, vocab: int, caplog, monkeypatch
     said = " | ".join(r.getMessage() for r in caplog.records if r.name == LOGGER)
     monkeypatch.setenv(CAPTURE_ENV, "full")
     full = capture(model, (inputs,), loss_fn, targets)
-    monkeypatch.delenv(CAPTURE_ENV)
+    monkeypatch.setenv(CAPTURE_ENV, "blocks")
     return blocks, full, said
 
 
@@ -261,6 +264,18 @@ def test_falls_back_to_the_full_export(build, reason, caplog, monkeypatch):
     assert "full export of Stack" in said and reason in said and "captured" not in said, said
     _assert_same_graph(blocks, full)
     _assert_same_step(model, blocks, full, 32, _eager_lm)
+
+
+def test_by_default_few_blocks_are_exported_whole(caplog, monkeypatch):
+    """Without `AUTOHYBRID_CAPTURE=blocks`, 6 blocks are exported in one piece: two
+    exports of 2 and 3 of them would cost about as much (capture_blocks.WORTH)."""
+    monkeypatch.delenv(CAPTURE_ENV)
+    model = ah.models.gpt(layers=6, hidden=32, heads=4, vocab=64, seq=16)
+    wrapper = nn.Module()
+    wrapper.model = model
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert export_by_blocks(wrapper, (), ()) is None   # before any probe or export
+    assert "6 blocks, fewer than 2 times the 5" in caplog.text
 
 
 def test_env_forces_the_full_export(monkeypatch):

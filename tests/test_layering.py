@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "cluster", "features")),
     ("models", ("models",)),
     ("capture", ("capture", "capture_cache", "capture_blocks", "capture_probe",
-                 "capture_splice")),
+                 "capture_splice", "capture_wire")),
     ("cost", ("cost",)),
     ("search", ("search",)),
     ("codegen", ("codegen",)),

@@ -22,6 +22,7 @@ Environment: ``AUTOHYBRID_COLLECTIVE_TIMEOUT_S`` (process-group timeout, default
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -269,6 +270,24 @@ def _import_compile_path() -> None:
         importlib.import_module(name)
 
 
+@contextlib.contextmanager
+def heap_frozen_for_fork(start_method: str) -> Iterator[None]:
+    """The parent's objects moved out of the garbage collector's reach while ranks fork
+    (gc.freeze, as Python's docs advise before fork without exec): a forked rank's
+    collections then never write to the objects it inherited, so their pages stay
+    shared instead of being copied into every rank (a parent that has imported and
+    captured much, such as a test run, otherwise costs each rank a copy of its heap and
+    the time to make it). The parent's own collections resume after the forks."""
+    if start_method != "fork":
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def _launch_children(main: Callable[..., T], ws: int, backend: str, device_type: str,
                      port: int, store: str, args: tuple, timeout_s: float | None,
                      start_method: str) -> list[T]:
@@ -286,18 +305,19 @@ def _launch_children(main: Callable[..., T], ws: int, backend: str, device_type:
     conns: dict[Any, int] = {}  # parent ends of the result pipes still open -> rank
     results: dict[int, Any] = {}
     try:
-        for rank in range(ws):
-            reader, writer = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_child, name=f"autohybrid-rank{rank}", daemon=False,
-                            args=(rank, ws, backend, device_type, port, store, main,
-                                  args, writer, os.getpid()))
-            p.start()
-            writer.close()
-            with contextlib.suppress(OSError):
-                os.setpgid(p.pid, p.pid)  # also done by the child; closes the race
-            procs.append(p)
-            readers.append(reader)
-            conns[reader] = rank
+        with heap_frozen_for_fork(start_method):
+            for rank in range(ws):
+                reader, writer = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_child, name=f"autohybrid-rank{rank}", daemon=False,
+                                args=(rank, ws, backend, device_type, port, store, main,
+                                      args, writer, os.getpid()))
+                p.start()
+                writer.close()
+                with contextlib.suppress(OSError):
+                    os.setpgid(p.pid, p.pid)  # also done by the child; closes the race
+                procs.append(p)
+                readers.append(reader)
+                conns[reader] = rank
         sentinels = {p.sentinel: r for r, p in enumerate(procs)}
         while len(results) < ws:
             remaining = None if deadline is None else deadline - time.monotonic()
