@@ -103,11 +103,13 @@ def _fuse_with_submodules(gm: fx.GraphModule, where: str, done: set[int]) -> lis
             sub = getattr(gm, name)
             if id(sub) not in done:
                 done.add(id(sub))
-                out += fuse(sub, f"{where}/{name}", recompile=False)
-    mine = fuse(gm, where, recompile=False)
-    if out or mine:
-        gm.recompile()  # with its submodules (GraphModule.recompile): each once
-    return out + mine
+                regions = fuse(sub, f"{where}/{name}", recompile=False)
+                if regions:
+                    sub.recompile()
+                out += regions
+    # `gm` itself (the rank's graph or a stage's) is recompiled once, with every stage
+    # graph, by the pass manager at the end
+    return out + fuse(gm, where, recompile=False)
 
 
 # ------------------------------------------------------------------ what may be fused

@@ -160,5 +160,9 @@ def _run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[tuple[str, Pa
         if dump is not None:
             text = gm.print_readable(print_output=False)
             (dump / f"{index:02d}_{ctx.graph_kind}_{name}.py").write_text(text)
-    gm.recompile()  # once: no pass runs the module, and its code is a function of the graph
+    # once, here: no pass runs a module, and its code is a function of its graph
+    gm.recompile()
+    split = ctx.notes.get("pipeline")
+    for stage in split.stages if split is not None else ():
+        stage.gm.recompile()
     return gm

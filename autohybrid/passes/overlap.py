@@ -111,7 +111,7 @@ def overlap(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         moved += schedule(g, comm_time=nominal_comm_time(sizes),
                           keep_saved=ctx.graph_kind == "train")
         pairs += sum(1 for n in _issues(g) if n.target in SYNC_OF)
-        g.recompile()
+        # (recompiled once, with every stage graph, by the pass manager at the end)
     ctx.notes["overlap_moved"] = moved
     ctx.notes["overlap_split"] = pairs   # tp/sp collectives left as issue + wait
     return gm
