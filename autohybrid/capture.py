@@ -65,7 +65,8 @@ class CapturedGraph:
     #: mixed precision: the graph was captured, and runs, under torch.autocast to this
     #: dtype (its fake values carry autocast's dtypes; the parameters keep theirs)
     autocast: torch.dtype | None = None
-    #: the exported program `gm` is the graph module of (what capture_wire.py sends)
+    #: the exported program `gm` is the graph module of, without the model's tensors
+    #: (what capture_wire.py sends)
     exported: ExportedProgram | None = field(default=None, repr=False, compare=False)
     #: where the graph came from: "export" (this process traced the model) or "wire:"
     #: and the fingerprint of the rank's graph it was loaded from (capture_wire.py)
@@ -285,7 +286,7 @@ def _finish(ep: ExportedProgram, model: nn.Module, method: str, inputs: tuple,
     cap = _from_exported(ep, model, method, len(inputs), len(targets), with_loss)
     cap.autocast = autocast
     cap.example_shapes = [tuple(t.shape) for t in (*inputs, *targets)]
-    cap.exported = ep
+    cap.exported = _without_tensors(ep)
     verify(cap.gm, "capture")
     cap.hash = graph_hash(cap.gm)
     return cap
@@ -444,6 +445,20 @@ def _from_exported(ep: ExportedProgram, model: nn.Module, method: str, num_input
         canonical={p: canonical.get(p, p) for p in params},
         mutated_buffers=mutated, user_outputs=user_outputs,
         dim_roles=_dim_roles(gm), method=method, with_loss=with_loss)
+
+
+def _without_tensors(ep: ExportedProgram) -> ExportedProgram:
+    """`ep` holding no tensor of the model it traced (its state dict's entries become
+    meta tensors, its example inputs are dropped): the memo keeps captured graphs, and a
+    graph must not keep a model's parameters alive after the model is gone. What it is
+    kept for (capture_wire.dumps) sends no weights."""
+    state = ep.state_dict
+    for name, t in list(state.items()):
+        meta = torch.empty_like(t, device="meta")
+        state[name] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) \
+            else meta
+    ep.example_inputs = None
+    return ep
 
 
 def describe(cap: CapturedGraph) -> str:

@@ -164,3 +164,19 @@ def test_ranks_load_rank_zeros_graph_or_capture_their_own():
     fails = pool_launch(_share_rank, 2, args=("fails",), timeout_s=120)
     assert [kind for kind, _ in fails] == ["raised", "raised"]
     assert fails[0] == fails[1] and "could not capture" in fails[0][1]
+
+
+def test_a_memoized_graph_keeps_no_parameter_of_its_model_alive():
+    """The capture memo keeps each graph's exported program (what rank 0 sends); it
+    holds meta tensors, so a model dropped by its user is freed."""
+    import gc
+    import weakref
+
+    model, inputs, loss_fn, targets = _zoo("gpt-tiny")
+    cap = capture(model, inputs, loss_fn, targets)
+    assert all(t.device.type == "meta" for t in cap.exported.state_dict.values())
+    weight = weakref.ref(model.lm_head.weight)
+    del model
+    gc.collect()
+    assert weight() is None
+    assert capture_wire.dumps(cap)     # still sendable
