@@ -5,9 +5,6 @@ in fp32/bf16/fp16, with small tiles so that kernels run several programs with ra
 edges. The sources of the kernels are also compiled for sm_90 in a subprocess.
 """
 import os
-
-os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported: kernels run on the CPU
-
 import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -35,7 +32,13 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 @pytest.fixture(autouse=True)
 def small_tiles(monkeypatch):
-    """128-element tiles: a few programs per kernel, rows and columns with ragged edges."""
+    """Kernels on CPU tensors run in Triton's interpreter (ops/fused.py reads
+    TRITON_INTERPRET at each call; the loader builds interpreted kernels whatever triton
+    read at import), with 128-element tiles: a few programs per kernel, rows and columns
+    with ragged edges. Set per test, not at import: set at import it stayed set for the
+    whole pytest process, and every later multi-process test ran its fused regions in
+    the interpreter instead of eager (half the 4-rank matrix's time)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(tgen, "TILE_INTERPRET", 128)
 
 
