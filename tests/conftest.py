@@ -27,6 +27,31 @@ from _limits import GUARD_SCALE
 FAST = os.environ.get("AUTOHYBRID_TEST_TIER") == "fast"
 
 
+def _import_triton_for_its_interpreter() -> None:
+    """Triton decides at import whether its library's @jit helpers (tl.sum's combine
+    functions, ...) can run in its interpreter, from TRITON_INTERPRET. Imported here,
+    before any test module imports it, with the variable set; then the variable is
+    unset again, so that only the tests that ask for the interpreter (test_codegen's
+    fixture, test_fusion) run kernels in it: left set for the whole run, every
+    multi-process test ran its fused regions interpreted instead of eager
+    (ops/fused.py reads the variable at each call)."""
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:   # no Triton: its tests skip or fall back to eager
+        pass
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+_import_triton_for_its_interpreter()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "procs: the test starts processes (not in make "
                                        "test-fast)")
