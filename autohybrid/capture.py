@@ -241,8 +241,9 @@ def capture_from(data: bytes, model: nn.Module, example_inputs: Any,
                  loss_fn: Callable | None = None, example_targets: Any = None, *,
                  with_loss: bool = True, autocast: torch.dtype | None = None) -> CapturedGraph:
     """What `capture` returns for these arguments, loaded from another process's capture
-    of the same model (`capture_wire.dumps`) instead of exported here; memoized like a
-    capture. Raises `capture_wire.WireMismatch` when the loaded graph is not the sent one."""
+    of the same model (`capture_wire.dumps`) instead of exported here; not memoized
+    (`memoize` does, once the caller knows every rank runs it). Raises
+    `capture_wire.WireMismatch` when the loaded graph is not the sent one."""
     inputs, targets = _prepare(model, example_inputs, example_targets, with_loss)
     wrapper = _WithLoss(model, loss_fn, len(inputs)) if with_loss else _ForwardOnly(model)
     ep, method, expected = capture_wire.loads(data, wrapper)
@@ -253,10 +254,18 @@ def capture_from(data: bytes, model: nn.Module, example_inputs: Any,
             f"the loaded graph (fingerprint {found[:12]}) is not the one sent "
             f"({expected[:12]})")
     cap.origin = f"wire:{expected[:24]}"
+    return cap
+
+
+def memoize(cap: CapturedGraph, model: nn.Module, example_inputs: Any,
+            loss_fn: Callable | None = None, example_targets: Any = None, *,
+            with_loss: bool = True, autocast: torch.dtype | None = None) -> None:
+    """Keep `cap` (from `capture_from`) as what `capture` with these arguments returns in
+    this process from now on."""
+    inputs, targets = _prepare(model, example_inputs, example_targets, with_loss)
     capture_cache.store(capture_cache.capture_key(model, inputs, targets, loss_fn,
                                                   with_loss=with_loss, autocast=autocast),
                         cap)
-    return cap
 
 
 def _prepare(model: nn.Module, example_inputs: Any, example_targets: Any,

@@ -50,6 +50,8 @@ def launch(main: Callable[..., Any], world: int, *, args: tuple = (),
         return ah.launch(main, ah.Cluster.local(world), args=args, timeout_s=timeout_s)
     pool = _pools.get(world)
     if pool is None or not pool.alive():
+        if pool is not None:   # a rank died, or a run patched autohybrid: end the rest
+            pool.close()
         pool = _pools[world] = _Pool(world)
     try:
         return pool.run(main, args, timeout_s)

@@ -133,7 +133,13 @@ def _share_rank(rank: int, mode: str) -> tuple:
     from autohybrid.runtime.capture_share import capture_once
 
     torch.manual_seed(0)
-    width = 8 if mode != "differ" else 8 * (rank + 2)   # (a width "same" did not memoize)
+    width = {"same": 8, "differ": 8 * (rank + 2), "refuse": 40, "fails": 8}[mode]
+    if mode == "refuse" and rank == 1:   # this rank cannot load rank 0's graph
+        from autohybrid.runtime import capture_share
+
+        def refuse(*args, **kwargs):
+            raise capture_wire.WireMismatch("injected: this rank cannot load it")
+        capture_share.capture_from = refuse   # (the pool ends these ranks after the run)
     model = _Net(width) if mode != "fails" else _Fails()
     x, y = torch.randn(4, width), torch.randint(0, 4, (4,))
     try:
@@ -153,14 +159,19 @@ class _Fails(_Net):
 @pytest.mark.procs
 def test_ranks_load_rank_zeros_graph_or_capture_their_own():
     """Ranks with one model all run rank 0's serialized graph (rank 0 too); ranks whose
-    models differ each capture their own; a capture that fails raises the same error on
-    every rank (no rank is left waiting for rank 0)."""
+    models differ each capture their own; when one rank cannot load rank 0's graph,
+    every rank runs its own export (rank 0 too: no job mixes loaded and exported
+    graphs); a capture that fails raises the same error on every rank (no rank is left
+    waiting for rank 0)."""
     same = pool_launch(_share_rank, 2, args=("same",), timeout_s=120)
     assert all(origin.startswith("wire:") for origin, _ in same)
     assert len(set(same)) == 1
     differ = pool_launch(_share_rank, 2, args=("differ",), timeout_s=120)
     assert [origin for origin, _ in differ] == ["export", "export"]
     assert differ[0][1] != differ[1][1]
+    refuse = pool_launch(_share_rank, 2, args=("refuse",), timeout_s=120)
+    assert [origin for origin, _ in refuse] == ["export", "export"]   # no mixed job
+    assert refuse[0][1] == refuse[1][1]
     fails = pool_launch(_share_rank, 2, args=("fails",), timeout_s=120)
     assert [kind for kind, _ in fails] == ["raised", "raised"]
     assert fails[0] == fails[1] and "could not capture" in fails[0][1]

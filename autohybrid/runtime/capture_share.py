@@ -25,7 +25,9 @@ The steps, each a collective over the default group:
 2. otherwise rank 0 captures (or takes its memo) and broadcasts the serialized graph,
    or what its capture raised, which every rank then raises (groups.from_rank_zero);
 3. every rank loads it (`capture.capture_from`, fingerprint-checked) and they agree:
-   if any rank could not load it, all export for themselves.
+   if any rank could not load it, all export for themselves (rank 0 keeps its own
+   export), so no job mixes loaded and exported graphs; else each memoizes the loaded
+   one.
 
 `AUTOHYBRID_CAPTURE_SHARE=0` makes every rank export for itself (for bisecting).
 """
@@ -38,8 +40,8 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..capture import CapturedGraph, capture, capture_digest, capture_from
-from ..capture_wire import WireMismatch, dumps
+from ..capture import CapturedGraph, capture, capture_digest, capture_from, memoize
+from ..capture_wire import dumps
 from .groups import from_rank_zero
 
 _log = logging.getLogger("autohybrid.capture")
@@ -75,17 +77,18 @@ def capture_once(model: nn.Module, example_inputs: Any, loss_fn: Callable | None
     if kind == "graph":
         try:
             loaded = capture_from(payload, *args, **kwargs)
-        except WireMismatch as exc:
-            problem = str(exc)
+        except Exception as exc:  # noqa: BLE001 — any failure: every rank exports itself
+            problem = f"{type(exc).__name__}: {exc}"
     else:
         problem = payload
     problems: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(problems, problem)
     failed = [(rank, p) for rank, p in enumerate(problems) if p is not None]
-    if failed:
+    if failed:   # (no rank memoized the loaded graph: all run their own exports)
         _log.info("each rank captures: rank %d could not use rank 0's graph: %s", *failed[0])
         return capture(*args, **kwargs)
     assert loaded is not None
+    memoize(loaded, *args, **kwargs)
     return loaded
 
 
