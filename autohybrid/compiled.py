@@ -115,6 +115,8 @@ class CompiledModel:
         self._layout_from: str | None = None
         self.executor: Executor | None = None
         self.found_inf = False  # the last step's gradients overflowed (fp16): it was skipped
+        #: train_steps completed (a skipped fp16 step counts): what a checkpoint records
+        self.step = 0
 
     def _capture_at_compile(self, example_targets: Any) -> CapturedGraph:
         """Capture what compile needs now; returns the graph the plan is made on and names.
@@ -425,6 +427,7 @@ class CompiledModel:
                 self.optimizer.step()
         if self.scaler is not None:
             self.scaler.update(self.found_inf)
+        self.step += 1
         return loss
 
     def _checked_step(self, inputs: Any, targets: Any, local: bool,
