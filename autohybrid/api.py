@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from .capture import as_tuple, capture
 from .cluster import Cluster
-from .errors import AutohybridError, NotExecutableError, PlanError
+from .errors import AutohybridError, NotExecutableError, PlanError, TrainingArgumentError
 from .plan import Constraints, Plan
 from .planning import dtype_name, make_plan
 from .runtime.precision import mixed_compute_dtype
@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # imported when first used: both pull in the runtime (and tri
     from .compiled import CompiledModel
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 
 
 def _check_cluster(cluster: Any) -> Cluster:
@@ -85,7 +86,8 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
             constraints: Constraints | None = None, global_batch: int | None = None,
             dtype: torch.dtype | str | None = None,
             grad_scaler: torch.amp.GradScaler | bool | None = None,
-            init_seed: int | None = None, check: bool | str = False) -> "CompiledModel":
+            init_seed: int | None = None, check: bool | str = False,
+            scheduler: SchedulerFactory | None = None) -> "CompiledModel":
     """Compile `model` for `cluster`: capture, plan (or check `plan`), rewrite, set up ranks.
 
     Call it on every rank (inside `ah.launch` or torchrun) with the same arguments.
@@ -103,10 +105,22 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
     the whole model does not fit on rank 0 beside its share, each pipeline stage is
     checked on its own rank instead (runtime/selfcheck_stage.py). check='whole' or
     check='stage' picks one of the two.
+    `scheduler`: `lambda opt: torch.optim.lr_scheduler...(opt, ...)`, built on
+    `compiled.optimizer` (kept as `compiled.scheduler`) and stepped once after every
+    optimizer step `train_step` takes (not after an fp16 step skipped for overflow).
     """
     from .compiled import CompiledModel
 
     check = requested_check(check)
+    if scheduler is not None and not callable(scheduler):
+        raise TrainingArgumentError(
+            f"scheduler must be a function of the optimizer returning an LR scheduler, "
+            f"e.g. scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10); got "
+            f"{type(scheduler).__name__}")
+    if scheduler is not None and optimizer is None:
+        raise TrainingArgumentError(
+            "scheduler= schedules the optimizer's learning rate, and no optimizer= was "
+            "given: pass optimizer=lambda params: torch.optim.SGD(params, lr=0.1) too")
 
     cluster = _check_cluster(cluster)
     on_meta = [p.device.type == "meta" for p in model.parameters()]
@@ -141,7 +155,7 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
                          example_targets=example_targets, optimizer_factory=optimizer,
                          plan=plan, constraints=constraints, global_batch=global_batch,
                          autocast=compute, grad_scaler=grad_scaler, init_seed=init_seed,
-                         check=check)
+                         check=check, scheduler_factory=scheduler)
 
 
 def _param_dtype(model: nn.Module) -> torch.dtype:

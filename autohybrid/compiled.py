@@ -36,6 +36,7 @@ from .planning import (check_plan_fits_model, make_plan, optimizer_kind,
 from .program import RankProgram
 from .rewrite import rewrite
 from .runtime.executor import Executor, check_same_plan
+from .runtime.fit import FitResult, build_scheduler, fit
 from .runtime.capture_share import capture_once
 from .runtime.groups import build_mesh, ensure_initialized, from_rank_zero
 from .runtime.pipeline import PipelineRunner, merge_stages, shared_grad_groups
@@ -54,8 +55,10 @@ class CompiledModel:
                  constraints: Constraints | None, global_batch: int | None,
                  autocast: torch.dtype | None = None,
                  grad_scaler: torch.amp.GradScaler | bool | None = None,
-                 init_seed: int | None = None, check: str | None = None):
+                 init_seed: int | None = None, check: str | None = None,
+                 scheduler_factory: Callable | None = None):
         ensure_initialized(cluster.world_size)
+        self.scheduler_factory = scheduler_factory
         self._set_up(model, cluster, loss_fn, example_inputs, optimizer_factory, autocast,
                      grad_scaler, init_seed)
         named = self._capture_at_compile(example_targets)                    # capture
@@ -81,6 +84,8 @@ class CompiledModel:
         if optimizer_factory and (self.sharded is not None or self._owned is not None
                                   or self.zero is not None or self.materializer is not None):
             self._make_optimizer()  # this rank's part
+        if self.scheduler is None and self.optimizer is not None and scheduler_factory:
+            self.scheduler = build_scheduler(scheduler_factory, self.optimizer)
         if self._check is not None and self._train is not None:
             self._check.refuse_unless_comparable(self._train.gm, plan.mesh.dp,
                                                  plan.num_microbatches)
@@ -107,6 +112,9 @@ class CompiledModel:
         self.autocast = autocast
         self.scaler = loss_scaler(autocast, grad_scaler)
         self.optimizer_factory = optimizer_factory
+        #: the LR scheduler on `optimizer` (ah.compile's scheduler=), stepped after each
+        #: optimizer step; built again with every optimizer compile builds (None: none)
+        self.scheduler: Any = None
         self.graphs: dict[str, fx.GraphModule] = {}
         #: this rank's programs by kind: "train", "forward_train", "forward_eval"
         self.programs: dict[str, RankProgram] = {}
@@ -195,9 +203,12 @@ class CompiledModel:
         self.executor.microbatch_hooks = hooks
 
     def _make_optimizer(self) -> None:
+        """The optimizer over this rank's part (and the scheduler on it, afresh)."""
         self.optimizer = self.optimizer_factory(self._optimizer_params())
         if self.zero is not None and self.zero.stage < 3:
             self.optimizer.register_step_post_hook(lambda *_: self.zero.gather_params())
+        if self.scheduler_factory is not None:
+            self.scheduler = build_scheduler(self.scheduler_factory, self.optimizer)
 
     def _adopt_train_layout(self, program: RankProgram) -> None:
         """The training graph, captured at the first train_step, gives the shards and
@@ -407,8 +418,9 @@ class CompiledModel:
         """One optimizer step on the global batch; returns eager's loss of that batch.
 
         With fp16 loss scaling, a step whose gradients overflowed on any rank is skipped
-        (no clipping, no optimizer step) on every rank and the scale backs off, as
-        `GradScaler.step` / `update` do."""
+        (no clipping, no optimizer or scheduler step) on every rank and the scale backs
+        off, as `GradScaler.step` / `update` do (and Hugging Face's Trainer skips the
+        scheduler)."""
         try:
             if self._check is not None and not self._check.done:
                 return self._checked_step(inputs, targets, local, max_grad_norm)
@@ -425,6 +437,8 @@ class CompiledModel:
                 self.clip_grad_norm_(max_grad_norm)
             if self.optimizer is not None:
                 self.optimizer.step()
+            if self.scheduler is not None:  # after the optimizer, as eager loops do
+                self.scheduler.step()
         if self.scaler is not None:
             self.scaler.update(self.found_inf)
         self.step += 1
@@ -513,6 +527,17 @@ class CompiledModel:
         """This rank's data-parallel shard of a global batch (tensor or tuple of tensors)."""
         out = self.executor.local_slice(as_tuple(batch), "batch")
         return out[0] if isinstance(batch, torch.Tensor) else tuple(out)
+
+    def fit(self, loader: Any, *, steps: int | None = None, epochs: int | None = None,
+            save_every: int | None = None, save_dir: Any = None, resume: bool = False,
+            keep_last: int | None = None, max_grad_norm: float | None = None,
+            log_every: int | None = 10) -> FitResult:
+        """Train on `loader`'s (inputs, targets) batches until `self.step` reaches
+        `steps` or `epochs` epochs are done, checkpointing under `save_dir` (every rank
+        calls it; runtime/fit.py)."""
+        return fit(self, loader, steps=steps, epochs=epochs, save_every=save_every,
+                   save_dir=save_dir, resume=resume, keep_last=keep_last,
+                   max_grad_norm=max_grad_norm, log_every=log_every)
 
     # ------------------------------------------------------------------ forward only
     def __call__(self, inputs: Any) -> Any:

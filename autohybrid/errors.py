@@ -52,3 +52,8 @@ class RankFailure(RuntimeFailure):
 
 class NumericsError(RuntimeFailure):
     """`check=True` found the compiled step computing other numbers than eager."""
+
+
+class TrainingArgumentError(AutohybridError, ValueError):
+    """An argument of the training loop is invalid: `ah.compile(..., scheduler=...)`,
+    `compiled.fit(...)`'s options, or a batch its loader yields."""
