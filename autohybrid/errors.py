@@ -52,3 +52,8 @@ class RankFailure(RuntimeFailure):
 
 class NumericsError(RuntimeFailure):
     """`check=True` found the compiled step computing other numbers than eager."""
+
+
+class CheckpointError(AutohybridError):
+    """A checkpoint cannot be written or read: incomplete, corrupted, of another model, or
+    holding state this run cannot take; the message names the file or tensor."""
