@@ -594,6 +594,31 @@ class CompiledModel:
         return merge_stages(local, canonical_names(self.model), self._owned,
                             self.mesh.get_group("pp"), self.plan.mesh.pp, self.device)
 
+    def save(self, directory: Any, *, extra: dict | None = None,
+             keep_last: int | None = None) -> Any:
+        """Write a checkpoint of this training state under `directory` (every rank calls
+        it): `directory/step-<N>` (N = self.step), sharded (each rank writes what it
+        holds, in parallel), atomic (visible only when complete), with a manifest (the
+        plan, the graph hash, versions, sizes and checksums); `keep_last` prunes older
+        ones; `extra` (JSON) comes back from `load`. runtime/checkpoint.py."""
+        from .runtime.checkpoint_state import save_compiled
+        return save_compiled(self, directory, extra, keep_last)
+
+    def load(self, path: Any, *, strict: bool = True) -> dict:
+        """Restore the training state from a checkpoint (its directory, or a save
+        directory: its latest complete one) saved under any plan, resharded on the load:
+        parameters, buffers, optimizer state and settings, scheduler, loss scaler, step,
+        every rank's random generators; returns the `extra` saved with it. Every rank
+        calls it. A checkpoint of another model, or a damaged one, is refused by name;
+        `strict=False` accepts one of another graph whose tensors all match."""
+        if self._train is None and (self.plan.mesh.tp > 1 or self.plan.mesh.pp > 1):
+            raise AutohybridError(
+                "load before the first train_step needs the training graph (under tp or pp "
+                "it decides the shards and stages the checkpoint is read into): compile "
+                "with example_targets, or call load after the first train_step")
+        from .runtime.checkpoint_state import load_compiled
+        return load_compiled(self, path, strict)
+
     def _stage_full(self, grads: bool) -> dict[str, Any]:
         """The parameters (or gradients) of this rank's pipeline stages, whole: tp shards
         gathered from the tp group, ZeRO shards from the dp group, never another stage's

@@ -57,3 +57,8 @@ class NumericsError(RuntimeFailure):
 class TrainingArgumentError(AutohybridError, ValueError):
     """An argument of the training loop is invalid: `ah.compile(..., scheduler=...)`,
     `compiled.fit(...)`'s options, or a batch its loader yields."""
+
+
+class CheckpointError(AutohybridError):
+    """A checkpoint cannot be written or read: incomplete, corrupted, of another model, or
+    holding state this run cannot take; the message names the file or tensor."""
