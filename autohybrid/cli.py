@@ -5,6 +5,7 @@
     autohybrid inspect plan.json --rank 1 --pass tensor_parallel
     autohybrid bench gpt-tiny --cluster local:2 --steps 5 --out bench.json --plot bench.png
     autohybrid train gpt-tiny --cluster local:2 --steps 10      # or: train script.py -- ARGS
+    autohybrid train gpt-tiny --steps 100 --save-dir ckpt --save-every 20 --resume
     autohybrid calibrate --world-size 2 --out calibration.json
 
 MODEL is a zoo preset (`autohybrid plan --list-models`) or `path/file.py:factory`, with
@@ -124,6 +125,16 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--optimizer", default="adamw", choices=("sgd", "adamw"))
     train.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
     train.add_argument("--save", default=None, help="save the trained full state dict here")
+    train.add_argument("--save-dir", default=None, metavar="DIR",
+                       help="write checkpoints (compiled.save) under DIR: every --save-every "
+                            "steps and at the end")
+    train.add_argument("--save-every", type=int, default=None, metavar="N",
+                       help="a checkpoint every N steps (needs --save-dir)")
+    train.add_argument("--keep-last", type=int, default=None, metavar="K",
+                       help="keep only the K newest checkpoints (needs --save-dir)")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the latest checkpoint under --save-dir (a fresh "
+                            "start when there is none) to --steps steps in all")
     train.add_argument("--check", nargs="?", const="auto", default=None,
                        choices=("auto", "whole", "stage"),
                        help="compare the first step with a reference and stop, naming the "
@@ -434,8 +445,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _train_rank(rank: int, ref: str, world: int, steps: int, plan_json: str | None,
                 constraints: Any, global_batch: int | None, optimizer: str, lr: float,
-                save: str | None, check: str | None = None) -> dict[str, Any]:
-    """One rank of `autohybrid train MODEL`: compile, train `steps` steps, report."""
+                save: str | None, check: str | None = None,
+                fit_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One rank of `autohybrid train MODEL`: compile, train to `steps` steps through
+    compiled.fit (checkpoints and resume: `fit_options`), report."""
     import torch
 
     from . import api
@@ -455,16 +468,15 @@ def _train_rank(rank: int, ref: str, world: int, steps: int, plan_json: str | No
                            plan=Plan.from_json(plan_json) if plan_json else None,
                            constraints=constraints, global_batch=batch,
                            check=True if check == "auto" else (check or False))
-    losses, times = [], []
-    for inputs, targets in batches:
-        start = time.perf_counter()
-        losses.append(float(compiled.train_step(inputs, targets)))
-        times.append(time.perf_counter() - start)
+    # the batches are one epoch of `steps`: a resume at step k skips the first k
+    result = compiled.fit(batches, steps=steps, **(fit_options or {}))
     state = compiled.full_state_dict()  # every rank takes part in the gather
     if rank == 0 and save:
         torch.save(state, save)
-    return {"losses": losses, "step_s": times, "plan": compiled.plan.to_dict(),
-            "summary": compiled.plan.summary()}
+    return {"losses": result.losses, "step_s": result.step_s, "plan": compiled.plan.to_dict(),
+            "summary": compiled.plan.summary(), "start_step": result.start_step,
+            "resumed_from": result.resumed_from, "checkpoints": result.checkpoints,
+            "tokens_per_s": result.tokens_per_s}
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -483,30 +495,58 @@ def cmd_train(args: argparse.Namespace) -> int:
                              "torchrun with ah.Cluster.from_env())")
         if args.steps < 1:
             raise ValueError(f"--steps must be at least 1, got {args.steps}")
+        fit_options = _fit_options(args)
         spec = _spec(target, args.seq)
         constraints = _constraints(args.constrain) if args.constrain else None
         results = launch(_train_rank, cluster, args=(
             spec.ref, cluster.world_size, args.steps, args.plan, constraints,
-            args.global_batch, args.optimizer, args.lr, args.save, args.check))
+            args.global_batch, args.optimizer, args.lr, args.save, args.check, fit_options))
     except (AutohybridError, ValueError, OSError) as exc:
         return _fail("train", exc)
     first = results[0]
     agree = all(r["losses"] == first["losses"] for r in results)
     out = {"model": spec.ref, "cluster": args.cluster, "plan": first["plan"],
            "losses": first["losses"], "step_s": first["step_s"], "ranks_agree": agree,
-           "saved": args.save, "checked": args.check}
+           "saved": args.save, "checked": args.check, "start_step": first["start_step"],
+           "resumed_from": first["resumed_from"], "checkpoints": first["checkpoints"],
+           "tokens_per_s": first["tokens_per_s"]}
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         print(f"trained {spec.ref} on {args.cluster} with plan {first['summary']}")
-        for step, (loss, s) in enumerate(zip(first["losses"], first["step_s"])):
+        if first["resumed_from"]:
+            print(f"  resumed from {first['resumed_from']} at step {first['start_step']}")
+        for step, (loss, s) in enumerate(zip(first["losses"], first["step_s"]),
+                                         start=first["start_step"]):
             print(f"  step {step:>3}  loss {loss:.6f}  {s * 1e3:8.1f} ms")
+        if first["checkpoints"]:
+            print(f"  checkpoints: {', '.join(first['checkpoints'])}")
         if args.check:
             print(f"  the first step's loss and gradients equal the reference's "
                   f"(--check {args.check})")
         print(f"all {len(results)} ranks report the same losses: {agree}"
               + (f"; saved the full state dict to {args.save}" if args.save else ""))
     return 0 if agree else EXIT_FAILED
+
+
+def _fit_options(args: argparse.Namespace) -> dict[str, Any]:
+    """compiled.fit's checkpoint options from train's flags, checked before any launch."""
+    for flag, value in (("--save-every", args.save_every), ("--keep-last", args.keep_last)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
+        if value is not None and args.save_dir is None:
+            raise ValueError(f"{flag} needs --save-dir DIR, where checkpoints are written")
+    if args.resume and args.save_dir is None:
+        raise ValueError("--resume needs --save-dir DIR, the directory to resume from")
+    if args.resume and args.check:
+        raise ValueError("--check compares the first step with eager from the model's "
+                         "initial weights, and --resume starts from a checkpoint's: run "
+                         "the check without --resume")
+    # a bar on a terminal; elsewhere the table below is the log (and --json stays JSON)
+    quiet = args.json or not sys.stdout.isatty()
+    return {"save_dir": args.save_dir, "save_every": args.save_every,
+            "keep_last": args.keep_last, "resume": args.resume,
+            "log_every": None if quiet else 1}
 
 
 def _train_script(args: argparse.Namespace) -> int:

@@ -169,6 +169,56 @@ def test_train_model_matches_eager(capsys, tmp_path) -> None:
         torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5)
 
 
+def _eager_sgd_losses(ref: str, steps: int, lr: float) -> list[float]:
+    """The same model, batches and SGD as `train` uses, in eager PyTorch."""
+    work = spec.parse(ref).build(device="cpu", seed=0)
+    optimizer = torch.optim.SGD(work.model.parameters(), lr=lr)
+    eager = []
+    for inputs, targets in work.batches(steps, seed=1):
+        optimizer.zero_grad()
+        loss = work.loss_fn(work.model(*inputs), targets)
+        loss.backward()
+        optimizer.step()
+        eager.append(loss.item())
+    return eager
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(240)
+def test_train_saves_checkpoints_and_resumes_to_the_same_losses(capsys, tmp_path) -> None:
+    """train --save-dir --save-every to step 3, then --resume to step 5: the losses of
+    both runs are eager's 5 steps, and keep_last prunes the older checkpoints."""
+    ref, lr, ckpt = "gpt-tiny?layers=1&seq=8", 1e-2, tmp_path / "ckpt"
+    common = ["--cluster", "local:2", "--optimizer", "sgd", "--lr", str(lr),
+              "--constrain", "dp=2", "--save-dir", str(ckpt), "--json"]
+    code, out, err = _main(capsys, "train", ref, "--steps", "3", "--save-every", "2",
+                           "--keep-last", "1", *common)
+    assert code == 0, err
+    first = json.loads(out)
+    assert [Path(p).name for p in first["checkpoints"]] == ["step-00000002", "step-00000003"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000003"]
+    code, out, err = _main(capsys, "train", ref, "--steps", "5", "--resume", *common)
+    assert code == 0, err
+    second = json.loads(out)
+    assert second["start_step"] == 3 and second["resumed_from"].endswith("step-00000003")
+    assert second["ranks_agree"] and second["tokens_per_s"] > 0
+    eager = _eager_sgd_losses(ref, 5, lr)
+    assert first["losses"] + second["losses"] == pytest.approx(eager, rel=1e-5, abs=1e-6)
+
+
+def test_train_refuses_checkpoint_flags_that_cannot_work(capsys, tmp_path) -> None:
+    ref = "gpt-tiny?layers=1&seq=8"
+    for flags, message in ((["--save-every", "2"], "--save-every needs --save-dir"),
+                           (["--keep-last", "2"], "--keep-last needs --save-dir"),
+                           (["--resume"], "--resume needs --save-dir"),
+                           (["--save-dir", str(tmp_path), "--save-every", "0"],
+                            "--save-every must be at least 1"),
+                           (["--save-dir", str(tmp_path), "--resume", "--check"],
+                            "run the check without --resume")):
+        code, _, err = _main(capsys, "train", ref, *flags)
+        assert code == 2 and message in err, (flags, err)
+
+
 @pytest.mark.procs
 @pytest.mark.timeout(180)
 def test_train_check_stage_checks_each_pipeline_stage(capsys) -> None:

@@ -149,6 +149,7 @@ def test_fit_trains_what_eager_trains_over_lists_dataloaders_and_iterators(capsy
     result = compiled.fit(batches, steps=7, log_every=3)   # 2 epochs and a third begun
     eager_losses, eager_lrs = _eager(ref, (batches * 3)[:7], OPTIMIZERS["sgd"], step_lr)
     assert result.losses == pytest.approx(eager_losses, rel=1e-12)
+    assert result.lrs == pytest.approx(eager_lrs, rel=1e-12)
     assert (result.steps, result.start_step, result.step) == (7, 0, 7)
     assert (result.epoch, result.batches) == (2, 1)
     assert result.tokens == 7 * 4 and result.tokens_per_s > 0 and len(result.step_s) == 7
@@ -256,3 +257,108 @@ def test_data_position_skips_or_restores_the_loaders_own_state() -> None:
         encode_state({"f": object()})
     with pytest.raises(ah.TrainingArgumentError, match="has the key 3"):
         encode_state({3: 1})
+
+
+# ============================================================================ processes
+SEQ_BATCHES, BATCH = 4, 8
+CASES = {  # name: (constraints, optimizer, scheduler, loader kind)
+    "dp2/sgd/steplr/list": (ah.Constraints(dp=2, tp=1, pp=1), "sgd", step_lr, "list"),
+    "tp2/adamw/warmup-cosine/dataloader": (ah.Constraints(dp=1, tp=2, pp=1), "adamw",
+                                           warmup_cosine, "dataloader"),
+}
+
+
+def _loader(kind: str):
+    """4 batches of gpt-tiny (float64 model): a list, or a DataLoader whose sampler
+    shuffles per epoch (set_epoch), so that the resumed epoch's order matters."""
+    batches = zoo_batches("gpt-tiny", BATCH, steps=SEQ_BATCHES)
+    if kind == "list":
+        return batches
+    x = torch.cat([inputs[0] for inputs, _ in batches])
+    y = torch.cat([targets for _, targets in batches])
+    return DataLoader(TensorDataset(x, y), batch_size=BATCH, sampler=_EpochSampler(len(x)))
+
+
+def _compile_gpt(case: str, seed: int = 0):
+    constraints, optimizer, scheduler, kind = CASES[case]
+    loader = _loader(kind)
+    (inputs,), targets = zoo_batches("gpt-tiny", BATCH, steps=1)[0]
+    torch.manual_seed(seed)
+    model = zoo_model("gpt-tiny", seed=0)
+    compiled = ah.compile(model, ah.Cluster.local(2), (inputs,), loss_fn=lm_loss,
+                          example_targets=targets, optimizer=OPTIMIZERS[optimizer],
+                          scheduler=scheduler, constraints=constraints)
+    return compiled, model, loader
+
+
+def _eager_fit(case: str, steps: int) -> tuple[list[float], list[float], dict]:
+    """Eager training over the loader's epochs, as fit walks them."""
+    _, optimizer, scheduler, kind = CASES[case]
+    ref, loader = zoo_model("gpt-tiny", seed=0), _loader(kind)
+    opt = optimizer_fn = OPTIMIZERS[optimizer](list(ref.parameters()))
+    sched = scheduler(optimizer_fn)
+    losses, lrs, epoch = [], [], 0
+    while len(losses) < steps:
+        if hasattr(getattr(loader, "sampler", None), "set_epoch"):
+            loader.sampler.set_epoch(epoch)
+        for inputs, targets in loader:
+            inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+            losses.append(float(eager_step(ref, opt, lambda m, x, y: lm_loss(m(*x), y),
+                                           inputs, targets)))
+            sched.step()
+            lrs.append(opt.param_groups[0]["lr"])
+            if len(losses) == steps:
+                break
+        epoch += 1
+    return losses, lrs, state_of(ref)
+
+
+def _fit_rank(rank: int, directory: str) -> list[str]:
+    """Per case: fit 6 steps uninterrupted (resume=True on an empty save_dir: a fresh
+    start) against eager; fit to step 3 (save_every=2, keep_last=1), then a new compile
+    and fit(resume=True) to step 6 against the uninterrupted run."""
+    fails = Failures()
+    for i, case in enumerate(CASES):
+        whole_dir, split_dir = f"{directory}/{i}-whole", f"{directory}/{i}-split"
+        compiled, _, loader = _compile_gpt(case)
+        whole = compiled.fit(loader, steps=6, save_dir=whole_dir, resume=True, log_every=None)
+        fails.check(f"{case}: a resume without a checkpoint starts afresh "
+                    f"({whole.resumed_from}, {whole.start_step})",
+                    whole.resumed_from is None and whole.start_step == 0)
+        losses, lrs, state = _eager_fit(case, 6)
+        fails.close(f"{case} losses vs eager", torch.tensor(whole.losses), torch.tensor(losses))
+        fails.close(f"{case} learning rates vs eager", torch.tensor(whole.lrs),
+                    torch.tensor(lrs))
+        fails.close_dict(f"{case} parameters vs eager", compiled.full_state_dict(), state)
+        fails.check(f"{case}: lrs change ({lrs})", len(set(lrs)) > 2)
+        whole_state = compiled.full_state_dict()
+
+        compiled, _, loader = _compile_gpt(case)
+        first = compiled.fit(loader, steps=3, save_dir=split_dir, save_every=2, keep_last=1,
+                             log_every=None)
+        fails.check(f"{case}: checkpoints {first.checkpoints}",
+                    [p.rsplit("/", 1)[1] for p in first.checkpoints]
+                    == ["step-00000002", "step-00000003"])
+        saved = sorted(p.name for p in __import__("pathlib").Path(split_dir).iterdir())
+        fails.check(f"{case}: keep_last=1 left {saved}", saved == ["step-00000003"])
+
+        compiled, _, loader = _compile_gpt(case, seed=1234)   # RNG from the checkpoint
+        second = compiled.fit(loader, steps=6, save_dir=split_dir, resume=True, log_every=None)
+        fails.check(f"{case}: resumed from {second.resumed_from} at {second.start_step}",
+                    str(second.resumed_from).endswith("step-00000003")
+                    and second.start_step == 3 and second.steps == 3)
+        fails.check(f"{case}: data position {second.epoch}, {second.batches}",
+                    (second.epoch, second.batches) == (1, 2))
+        fails.close(f"{case} resumed losses", torch.tensor(second.losses),
+                    torch.tensor(whole.losses[3:]))
+        fails.close(f"{case} resumed learning rates", torch.tensor(second.lrs),
+                    torch.tensor(whole.lrs[3:]))
+        fails.close_dict(f"{case} resumed parameters", compiled.full_state_dict(), whole_state)
+    return fails
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_fit_and_scheduler_under_dp2_and_tp2_equal_eager_and_resume_exactly(tmp_path) -> None:
+    results = launch(_fit_rank, 2, args=(str(tmp_path),), timeout_s=guard(240))
+    assert not any(results), report(results)

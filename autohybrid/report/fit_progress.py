@@ -4,7 +4,7 @@ lines otherwise.
 `FitDisplay(show, total, start, log_every)` is entered around the loop and told each step
 (`step`) and each note (`note`: a checkpoint written, a resume). Only the rank that shows
 (rank 0) draws anything; `log_every=None` is silent. On a terminal (stdout a TTY) a bar
-with the step, loss, tokens/s and step time; elsewhere (a log file, a pipe, CI) one line
+with the step, loss, learning rate, tokens/s and step time; elsewhere (a log file, a pipe, CI) one line
 every `log_every` steps and at the last. It reads the numbers it is given and starts
 nothing.
 """
@@ -34,13 +34,13 @@ class FitDisplay:
         if self.tty:
             self._bar = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]}"),
+                TextColumn("loss {task.fields[loss]}"), TextColumn("lr {task.fields[lr]}"),
                 TextColumn("{task.fields[speed]} tokens/s"),
                 TextColumn("{task.fields[step_time]}/step"),
                 TimeElapsedColumn(), TimeRemainingColumn(),
                 console=Console(file=sys.stdout))
             self._task = self._bar.add_task("train", total=self.total, completed=self.start,
-                                            loss="—", speed="—", step_time="—")
+                                            loss="—", lr="—", speed="—", step_time="—")
             self._bar.start()
         return self
 
@@ -49,8 +49,8 @@ class FitDisplay:
             self._bar.stop()
             self._bar = None
 
-    def step(self, step: int, epoch: int, loss: float, step_s: float, tokens: int,
-             last: bool = False) -> None:
+    def step(self, step: int, epoch: int, loss: float, lr: float, step_s: float,
+             tokens: int, last: bool = False) -> None:
         """Step `step` (compiled.step after it) of epoch `epoch` took `step_s` for
         `tokens`; tokens/s is over the steps since the last line (the bar: this step)."""
         if not self.show:
@@ -61,13 +61,14 @@ class FitDisplay:
         if self._bar is not None or last or step % self.log_every == 0:
             self._tokens, self._seconds = 0, 0.0
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", speed=speed,
+            self._bar.update(self._task, completed=step, loss=f"{loss:.4f}", lr=f"{lr:.3g}",
+                             speed=speed,
                              step_time=format_seconds(step_s))
             return
         if last or step % self.log_every == 0:
             of = f"/{self.total}" if self.total is not None else ""
-            print(f"step {step}{of}  epoch {epoch}  loss {loss:.6f}  {speed} tokens/s  "
-                  f"{format_seconds(step_s)}/step", flush=True)
+            print(f"step {step}{of}  epoch {epoch}  loss {loss:.6f}  lr {lr:.4g}  "
+                  f"{speed} tokens/s  {format_seconds(step_s)}/step", flush=True)
 
     def note(self, text: str) -> None:
         if not self.show:

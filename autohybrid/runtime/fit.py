@@ -67,6 +67,7 @@ class FitResult:
     """What one `fit` call did (the same on every rank)."""
     losses: list[float] = field(default_factory=list)  # one per train_step of this call
     step_s: list[float] = field(default_factory=list)  # each train_step's wall time
+    lrs: list[float] = field(default_factory=list)  # param group 0's lr after each step
     start_step: int = 0      # compiled.step when the loop began (after a resume's load)
     step: int = 0            # compiled.step at the end
     epoch: int = 0           # the data position at the end: epochs completed,
@@ -129,11 +130,13 @@ def fit(compiled: Any, loader: Iterable, *, steps: int | None = None,
                 position.batches += 1
                 result.losses.append(loss)
                 result.step_s.append(elapsed)
+                lr = _lr(compiled)
+                result.lrs.append(lr)
                 tokens = batch_tokens(inputs)
                 result.tokens += tokens
                 result.seconds += elapsed
                 last = steps is not None and compiled.step >= steps
-                display.step(compiled.step, position.epoch, loss, elapsed, tokens, last)
+                display.step(compiled.step, position.epoch, loss, lr, elapsed, tokens, last)
                 if save_every is not None and compiled.step % save_every == 0:
                     result.checkpoints.append(_save(compiled, save_dir, position, loader,
                                                     keep_last, display))
@@ -156,6 +159,14 @@ def fit(compiled: Any, loader: Iterable, *, steps: int | None = None,
                                         display))
     result.step, result.epoch, result.batches = compiled.step, position.epoch, position.batches
     return result
+
+
+def _lr(compiled: Any) -> float:
+    """The learning rate of the optimizer's first param group (nan without one)."""
+    optimizer = compiled.optimizer
+    if optimizer is None or not optimizer.param_groups:
+        return float("nan")
+    return float(optimizer.param_groups[0]["lr"])
 
 
 def _done(compiled: Any, steps: int | None, epochs: int | None,
