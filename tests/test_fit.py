@@ -362,3 +362,26 @@ def _fit_rank(rank: int, directory: str) -> list[str]:
 def test_fit_and_scheduler_under_dp2_and_tp2_equal_eager_and_resume_exactly(tmp_path) -> None:
     results = launch(_fit_rank, 2, args=(str(tmp_path),), timeout_s=guard(240))
     assert not any(results), report(results)
+
+
+@pytest.mark.timeout(180)
+def test_fit_resumes_a_stateful_loader_from_its_own_state(tmp_path) -> None:
+    """One rank, checkpoints in this process: fit to step 3 (the loader's state_dict in
+    the checkpoint), a new compile and loader, fit(resume=True) to step 5: the loader is
+    restored by load_state_dict (not skipped), and the losses are the uninterrupted run's."""
+    batches = _mlp_batches(4)
+    whole = _compile_mlp(batches, OPTIMIZERS["adamw"], warmup_cosine)[0].fit(
+        _StatefulLoader(batches), steps=5, log_every=None)
+    compiled, _ = _compile_mlp(batches, OPTIMIZERS["adamw"], warmup_cosine)
+    first = compiled.fit(_StatefulLoader(batches), steps=3, save_dir=tmp_path, log_every=None)
+    compiled, _ = _compile_mlp(batches, OPTIMIZERS["adamw"], warmup_cosine)
+    loader = _StatefulLoader(batches)
+    restored = []
+    loader.load_state_dict = lambda state: (restored.append(state),
+                                            _StatefulLoader.load_state_dict(loader, state))
+    second = compiled.fit(loader, steps=5, save_dir=tmp_path, resume=True, log_every=None)
+    assert restored and restored[0]["served"] == 3 and torch.equal(
+        restored[0]["generator"], torch.Generator().manual_seed(3).get_state())
+    assert first.losses + second.losses == pytest.approx(whole.losses, rel=1e-12)
+    assert second.lrs == pytest.approx(whole.lrs[3:], rel=1e-12)
+    assert (second.epoch, second.batches) == (1, 1)

@@ -9,8 +9,9 @@ It never trains and never touches the model: runtime/fit.py drives it.
 What a resume reproduces: the batches a resumed run trains on are those the
 uninterrupted run would have trained on when the loader yields the same batches in the
 same order for a given epoch: a list, a DataLoader without shuffling, or one whose
-sampler is seeded per epoch (`set_epoch`, as DistributedSampler is; a RandomSampler with
-a seeded `generator` is not: its order depends on how often it was iterated before). A
+sampler is seeded per epoch (`set_epoch`, as DistributedSampler is; a RandomSampler is
+not: its order comes from a generator's state when the epoch began, which a mid-epoch
+checkpoint does not hold). A
 loader with `state_dict` / `load_state_dict` (torchdata's StatefulDataLoader) is restored
 from its own state instead of skipping; without one, the consumed batches are read again
 and dropped (loaded, not trained).
