@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import copy
 import io
+import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -247,7 +249,6 @@ def test_data_position_skips_or_restores_the_loaders_own_state() -> None:
     it = epoch_batches(loader, DataPosition(0, 0))
     assert [next(it), next(it), next(it)] == [0, 1, 2]
     state = encode_state(loader.state_dict())
-    import json
     state = json.loads(json.dumps(state))   # what a checkpoint's extra keeps
     decoded = decode_state(state)
     assert torch.equal(decoded["generator"], torch.Generator().manual_seed(3).get_state())
@@ -283,20 +284,20 @@ def _compile_gpt(case: str, seed: int = 0):
     constraints, optimizer, scheduler, kind = CASES[case]
     loader = _loader(kind)
     (inputs,), targets = zoo_batches("gpt-tiny", BATCH, steps=1)[0]
-    torch.manual_seed(seed)
     model = zoo_model("gpt-tiny", seed=0)
+    torch.manual_seed(seed)   # the generator a resume must take from the checkpoint
     compiled = ah.compile(model, ah.Cluster.local(2), (inputs,), loss_fn=lm_loss,
                           example_targets=targets, optimizer=OPTIMIZERS[optimizer],
                           scheduler=scheduler, constraints=constraints)
-    return compiled, model, loader
+    return compiled, loader
 
 
 def _eager_fit(case: str, steps: int) -> tuple[list[float], list[float], dict]:
     """Eager training over the loader's epochs, as fit walks them."""
     _, optimizer, scheduler, kind = CASES[case]
     ref, loader = zoo_model("gpt-tiny", seed=0), _loader(kind)
-    opt = optimizer_fn = OPTIMIZERS[optimizer](list(ref.parameters()))
-    sched = scheduler(optimizer_fn)
+    opt = OPTIMIZERS[optimizer](list(ref.parameters()))
+    sched = scheduler(opt)
     losses, lrs, epoch = [], [], 0
     while len(losses) < steps:
         if hasattr(getattr(loader, "sampler", None), "set_epoch"):
@@ -320,7 +321,7 @@ def _fit_rank(rank: int, directory: str) -> list[str]:
     fails = Failures()
     for i, case in enumerate(CASES):
         whole_dir, split_dir = f"{directory}/{i}-whole", f"{directory}/{i}-split"
-        compiled, _, loader = _compile_gpt(case)
+        compiled, loader = _compile_gpt(case)
         whole = compiled.fit(loader, steps=6, save_dir=whole_dir, resume=True, log_every=None)
         fails.check(f"{case}: a resume without a checkpoint starts afresh "
                     f"({whole.resumed_from}, {whole.start_step})",
@@ -333,16 +334,16 @@ def _fit_rank(rank: int, directory: str) -> list[str]:
         fails.check(f"{case}: lrs change ({lrs})", len(set(lrs)) > 2)
         whole_state = compiled.full_state_dict()
 
-        compiled, _, loader = _compile_gpt(case)
+        compiled, loader = _compile_gpt(case)
         first = compiled.fit(loader, steps=3, save_dir=split_dir, save_every=2, keep_last=1,
                              log_every=None)
         fails.check(f"{case}: checkpoints {first.checkpoints}",
                     [p.rsplit("/", 1)[1] for p in first.checkpoints]
                     == ["step-00000002", "step-00000003"])
-        saved = sorted(p.name for p in __import__("pathlib").Path(split_dir).iterdir())
+        saved = sorted(p.name for p in Path(split_dir).iterdir())
         fails.check(f"{case}: keep_last=1 left {saved}", saved == ["step-00000003"])
 
-        compiled, _, loader = _compile_gpt(case, seed=1234)   # RNG from the checkpoint
+        compiled, loader = _compile_gpt(case, seed=1234)
         second = compiled.fit(loader, steps=6, save_dir=split_dir, resume=True, log_every=None)
         fails.check(f"{case}: resumed from {second.resumed_from} at {second.start_step}",
                     str(second.resumed_from).endswith("step-00000003")

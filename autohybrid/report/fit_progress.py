@@ -4,9 +4,9 @@ lines otherwise.
 `FitDisplay(show, total, start, log_every)` is entered around the loop and told each step
 (`step`) and each note (`note`: a checkpoint written, a resume). Only the rank that shows
 (rank 0) draws anything; `log_every=None` is silent. On a terminal (stdout a TTY) a bar
-with the step, loss, learning rate, tokens/s and step time; elsewhere (a log file, a pipe, CI) one line
-every `log_every` steps and at the last. It reads the numbers it is given and starts
-nothing.
+with the step, loss, learning rate, tokens/s and step time; elsewhere (a log file, a
+pipe, CI) one line every `log_every` steps and at the last. It reads the numbers it is
+given and starts nothing.
 """
 from __future__ import annotations
 
