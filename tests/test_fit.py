@@ -87,6 +87,12 @@ def test_scheduler_steps_after_each_optimizer_step_and_refuses_non_schedulers() 
     assert compiled.scheduler.get_last_lr()[0] == pytest.approx(eager_lrs[-1], rel=1e-12)
     torch.testing.assert_close(compiled.full_state_dict(), state_of(ref))
     assert _compile_mlp(batches, scheduler=None)[0].scheduler is None
+    # a new optimizer (what _adopt_train_layout builds when the training graph's stages or
+    # shards differ from the forward's) gets a new scheduler on it
+    before = compiled.scheduler
+    compiled._make_optimizer()
+    assert compiled.scheduler is not before
+    assert compiled.scheduler.optimizer is compiled.optimizer
 
     other = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     cases = [
