@@ -37,6 +37,8 @@ from .program import RankProgram
 from .rewrite import rewrite
 from .runtime.executor import Executor, check_same_plan
 from .runtime.capture_share import capture_once
+from .runtime.checkpoint_state import (guard_optimizer_load, hook_whole_loads, load_compiled,
+                                       save_compiled)
 from .runtime.groups import build_mesh, ensure_initialized, from_rank_zero
 from .runtime.pipeline import PipelineRunner, merge_stages, shared_grad_groups
 from .runtime.tp_state import ShardedParameters
@@ -84,6 +86,10 @@ class CompiledModel:
         if self._check is not None and self._train is not None:
             self._check.refuse_unless_comparable(self._train.gm, plan.mesh.dp,
                                                  plan.num_microbatches)
+        if self.optimizer is not None:
+            guard_optimizer_load(self.optimizer, self._optimizer_named())
+        #: model.load_state_dict(...) after compile reaches this rank's shards too
+        self._load_hook = hook_whole_loads(self)
 
     # ------------------------------------------------------------------ set-up helpers
     def _set_up(self, model: nn.Module, cluster: Cluster, loss_fn: Callable | None,
@@ -196,6 +202,7 @@ class CompiledModel:
 
     def _make_optimizer(self) -> None:
         self.optimizer = self.optimizer_factory(self._optimizer_params())
+        guard_optimizer_load(self.optimizer, self._optimizer_named())
         if self.zero is not None and self.zero.stage < 3:
             self.optimizer.register_step_post_hook(lambda *_: self.zero.gather_params())
 
@@ -576,7 +583,6 @@ class CompiledModel:
         holds, in parallel), atomic (visible only when complete), with a manifest (the
         plan, the graph hash, versions, sizes and checksums); `keep_last` prunes older
         ones; `extra` (JSON) comes back from `load`. runtime/checkpoint.py."""
-        from .runtime.checkpoint_state import save_compiled
         return save_compiled(self, directory, extra, keep_last)
 
     def load(self, path: Any, *, strict: bool = True) -> dict:
@@ -591,7 +597,6 @@ class CompiledModel:
                 "load before the first train_step needs the training graph (under tp or pp "
                 "it decides the shards and stages the checkpoint is read into): compile "
                 "with example_targets, or call load after the first train_step")
-        from .runtime.checkpoint_state import load_compiled
         return load_compiled(self, path, strict)
 
     def _stage_full(self, grads: bool) -> dict[str, Any]:

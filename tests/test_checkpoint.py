@@ -123,3 +123,36 @@ def test_resume_under_another_plan_equals_the_uninterrupted_run(tmp_path):
                     torch.tensor(a["losses"]))
         fails.close_dict(f"{case} parameters at step {STEPS}", b["state"], a["state"])
     assert not fails, report([fails])
+
+
+def _whole_state_loads(rank):
+    """model.load_state_dict after compile reaches tp and ZeRO shards (the first loss and
+    every later step as eager with the loaded values); another plan's optimizer state
+    dict is refused by name."""
+    from _equiv import compare_training, default_eager_loss
+    import copy
+    fails = Failures()
+    other = zoo_model("gpt-tiny", seed=7).state_dict()
+    optimizer_states = {}
+    for layout in (C(dp=1, tp=2, pp=1), C(dp=2, tp=1, pp=1, zero=1),
+                   C(dp=2, tp=1, pp=1, zero=3)):
+        compiled, batches = _compile("gpt-tiny", "adamw", 2, layout)
+        compiled.model.load_state_dict(other)
+        ref = zoo_model("gpt-tiny")
+        ref.load_state_dict(other)
+        compare_training(fails, f"load_state_dict under {layout}", compiled, ref,
+                         OPTIMIZERS["adamw"](list(ref.parameters())), batches[:2],
+                         default_eager_loss(lm_loss))
+        optimizer_states[layout.zero] = compiled.optimizer.state_dict()
+        if layout.zero == 1:
+            try:
+                compiled.optimizer.load_state_dict(optimizer_states[None])  # tp2's
+                fails.append("a tp2 plan's optimizer state was accepted under dp2 zero1")
+            except ah.CheckpointError as exc:
+                fails.check(f"the refusal names the parameter: {exc}", "of parameter" in str(exc))
+    return fails
+
+
+def test_model_load_state_dict_reaches_the_shards():
+    fails = launch(_whole_state_loads, 2, timeout_s=guard(180))
+    assert not any(fails), report(fails)
