@@ -37,6 +37,7 @@ from .program import RankProgram
 from .rewrite import rewrite
 from .runtime.executor import Executor, check_same_plan
 from .runtime.capture_share import capture_once
+from .runtime.safetensors_io import export_safetensors, import_safetensors
 from .runtime.checkpoint_state import (guard_optimizer_load, hook_whole_loads, load_compiled,
                                        save_compiled)
 from .runtime.groups import build_mesh, ensure_initialized, from_rank_zero
@@ -598,6 +599,17 @@ class CompiledModel:
                 "it decides the shards and stages the checkpoint is read into): compile "
                 "with example_targets, or call load after the first train_step")
         return load_compiled(self, path, strict)
+
+    def export_safetensors(self, directory: Any) -> Any:
+        """The whole trained model as `directory/model.safetensors` (every rank calls it,
+        rank 0 writes): Hugging Face names and config.json for a transformers model, so
+        from_pretrained(directory) reads it. runtime/safetensors_io.py."""
+        return export_safetensors(self, directory)
+
+    def load_safetensors(self, path: Any, *, strict: bool = True) -> None:
+        """Weights from safetensors (a file, or a directory save_pretrained wrote) into
+        this rank's shards, each rank reading only its slices; every rank calls it."""
+        import_safetensors(self, path, strict)
 
     def _stage_full(self, grads: bool) -> dict[str, Any]:
         """The parameters (or gradients) of this rank's pipeline stages, whole: tp shards
