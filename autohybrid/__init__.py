@@ -11,7 +11,8 @@ from .api import compile, plan
 from .bench import BenchResult, bench
 from .calibrate import Profile, calibrate
 from .cluster import Cluster
-from .errors import (AutohybridError, CaptureError, ClusterError, NoPlanFitsError,
+from .errors import (AutohybridError, CaptureError, CheckpointError, ClusterError,
+                     NoPlanFitsError,
                      NotExecutableError, NumericsError, PlanError, RankFailure,
                      RuntimeFailure, TrainingArgumentError)
 from .plan import Constraints, Plan
@@ -24,7 +25,7 @@ __version__ = "0.1.0"
 logs.configure_from_env()
 
 __all__ = [
-    "AutohybridError", "BenchResult", "CaptureError", "Cluster", "ClusterError", "Constraints", "Profile",
+    "AutohybridError", "BenchResult", "CaptureError", "CheckpointError", "Cluster", "ClusterError", "Constraints", "Profile",
     "bench", "calibrate",
     "NoPlanFitsError", "NotExecutableError", "NumericsError", "Plan", "PlanError", "RankFailure",
     "RuntimeFailure", "TrainingArgumentError", "compile", "init", "launch", "models", "plan",

@@ -38,6 +38,9 @@ from .rewrite import rewrite
 from .runtime.executor import Executor, check_same_plan
 from .runtime.fit import FitResult, build_scheduler, fit
 from .runtime.capture_share import capture_once
+from .runtime.safetensors_io import export_safetensors, import_safetensors
+from .runtime.checkpoint_state import (guard_optimizer_load, hook_whole_loads, load_compiled,
+                                       save_compiled)
 from .runtime.groups import build_mesh, ensure_initialized, from_rank_zero
 from .runtime.pipeline import PipelineRunner, merge_stages, shared_grad_groups
 from .runtime.tp_state import ShardedParameters
@@ -89,6 +92,10 @@ class CompiledModel:
         if self._check is not None and self._train is not None:
             self._check.refuse_unless_comparable(self._train.gm, plan.mesh.dp,
                                                  plan.num_microbatches)
+        if self.optimizer is not None:
+            guard_optimizer_load(self.optimizer, self._optimizer_named())
+        #: model.load_state_dict(...) after compile reaches this rank's shards too
+        self._load_hook = hook_whole_loads(self)
 
     # ------------------------------------------------------------------ set-up helpers
     def _set_up(self, model: nn.Module, cluster: Cluster, loss_fn: Callable | None,
@@ -205,6 +212,7 @@ class CompiledModel:
     def _make_optimizer(self) -> None:
         """The optimizer over this rank's part (and the scheduler on it, afresh)."""
         self.optimizer = self.optimizer_factory(self._optimizer_params())
+        guard_optimizer_load(self.optimizer, self._optimizer_named())
         if self.zero is not None and self.zero.stage < 3:
             self.optimizer.register_step_post_hook(lambda *_: self.zero.gather_params())
         if self.scheduler_factory is not None:
@@ -601,7 +609,6 @@ class CompiledModel:
         holds, in parallel), atomic (visible only when complete), with a manifest (the
         plan, the graph hash, versions, sizes and checksums); `keep_last` prunes older
         ones; `extra` (JSON) comes back from `load`. runtime/checkpoint.py."""
-        from .runtime.checkpoint_state import save_compiled
         return save_compiled(self, directory, extra, keep_last)
 
     def load(self, path: Any, *, strict: bool = True) -> dict:
@@ -616,8 +623,18 @@ class CompiledModel:
                 "load before the first train_step needs the training graph (under tp or pp "
                 "it decides the shards and stages the checkpoint is read into): compile "
                 "with example_targets, or call load after the first train_step")
-        from .runtime.checkpoint_state import load_compiled
         return load_compiled(self, path, strict)
+
+    def export_safetensors(self, directory: Any) -> Any:
+        """The whole trained model as `directory/model.safetensors` (every rank calls it,
+        rank 0 writes): Hugging Face names and config.json for a transformers model, so
+        from_pretrained(directory) reads it. runtime/safetensors_io.py."""
+        return export_safetensors(self, directory)
+
+    def load_safetensors(self, path: Any, *, strict: bool = True) -> None:
+        """Weights from safetensors (a file, or a directory save_pretrained wrote) into
+        this rank's shards, each rank reading only its slices; every rank calls it."""
+        import_safetensors(self, path, strict)
 
     def _stage_full(self, grads: bool) -> dict[str, Any]:
         """The parameters (or gradients) of this rank's pipeline stages, whole: tp shards

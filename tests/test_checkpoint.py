@@ -123,3 +123,93 @@ def test_resume_under_another_plan_equals_the_uninterrupted_run(tmp_path):
                     torch.tensor(a["losses"]))
         fails.close_dict(f"{case} parameters at step {STEPS}", b["state"], a["state"])
     assert not fails, report([fails])
+
+
+def _whole_state_loads(rank):
+    """model.load_state_dict after compile reaches tp and ZeRO shards (the first loss and
+    every later step as eager with the loaded values); another plan's optimizer state
+    dict is refused by name."""
+    from _equiv import compare_training, default_eager_loss
+    import copy
+    fails = Failures()
+    other = zoo_model("gpt-tiny", seed=7).state_dict()
+    optimizer_states = {}
+    for layout in (C(dp=1, tp=2, pp=1), C(dp=2, tp=1, pp=1, zero=1),
+                   C(dp=2, tp=1, pp=1, zero=3)):
+        compiled, batches = _compile("gpt-tiny", "adamw", 2, layout)
+        compiled.model.load_state_dict(other)
+        ref = zoo_model("gpt-tiny")
+        ref.load_state_dict(other)
+        compare_training(fails, f"load_state_dict under {layout}", compiled, ref,
+                         OPTIMIZERS["adamw"](list(ref.parameters())), batches[:2],
+                         default_eager_loss(lm_loss))
+        optimizer_states[layout.zero] = compiled.optimizer.state_dict()
+        if layout.zero == 1:
+            try:
+                compiled.optimizer.load_state_dict(optimizer_states[None])  # tp2's
+                fails.append("a tp2 plan's optimizer state was accepted under dp2 zero1")
+            except ah.CheckpointError as exc:
+                fails.check(f"the refusal names the parameter: {exc}", "of parameter" in str(exc))
+    return fails
+
+
+def test_model_load_state_dict_reaches_the_shards():
+    fails = launch(_whole_state_loads, 2, timeout_s=guard(180))
+    assert not any(fails), report(fails)
+
+
+def _hf_interchange(rank, directory):
+    """A Hugging Face Llama trained under tp2 leaves as safetensors that
+    LlamaForCausalLM.from_pretrained reads (same weights, same logits); a pretrained one
+    (save_pretrained) comes in under dp2 × ZeRO-3, each rank reading only its slices."""
+    import torch.distributed as dist
+    import transformers
+    from autohybrid.models import coverage
+    fails = Failures()
+    torch.manual_seed(0)
+    case = coverage.build("llama")
+    inputs, targets = case.batches[0]
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    compiled = ah.compile(case.model, ah.Cluster.local(2), inputs, loss_fn=None,
+                          example_targets=targets, optimizer=sgd,
+                          constraints=C(dp=1, tp=2, pp=1))
+    for batch in case.batches[:2]:
+        compiled.train_step(*batch)
+    out = Path(directory) / "exported"
+    compiled.export_safetensors(out)
+    trained = compiled.full_state_dict()
+    back = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float64).train()
+    fails.close_dict("from_pretrained's weights", back.state_dict(),
+                     {k: v for k, v in trained.items() if k in back.state_dict()})
+    with torch.no_grad():
+        case.model.load_state_dict(trained)
+        fails.close("from_pretrained's logits", back(*inputs).logits, case.model(*inputs).logits)
+
+    torch.manual_seed(5)
+    pretrained = coverage.build("llama").model
+    source = Path(directory) / "pretrained"
+    if rank == 0:
+        pretrained.save_pretrained(source)
+    dist.barrier()
+    torch.manual_seed(0)
+    fresh = coverage.build("llama")
+    compiled = ah.compile(fresh.model, ah.Cluster.local(2), inputs, loss_fn=None,
+                          example_targets=targets, optimizer=sgd,
+                          constraints=C(dp=2, tp=1, pp=1, zero=3))
+    compiled.load_safetensors(source)
+    fails.close_dict("load_safetensors under ZeRO-3", compiled.full_state_dict(),
+                     pretrained.state_dict())
+    try:
+        other = ah.compile(zoo_model("gpt-tiny"), ah.Cluster.local(2), *zoo_batches(
+            "gpt-tiny", 4, steps=1)[0][:1], loss_fn=lm_loss,
+            example_targets=zoo_batches("gpt-tiny", 4, steps=1)[0][1], optimizer=sgd)
+        other.load_safetensors(source)
+        fails.append("another model's safetensors were accepted")
+    except ah.CheckpointError as exc:
+        fails.check(f"the refusal names the tensor: {exc}", "holds no tensor" in str(exc))
+    return fails
+
+
+def test_safetensors_with_hugging_face_names(tmp_path):
+    fails = launch(_hf_interchange, 2, args=(str(tmp_path),), timeout_s=guard(240))
+    assert not any(fails), report(fails)

@@ -45,7 +45,9 @@ from torch.distributed.checkpoint.planner import (LoadPlan, ReadItem, SavePlan,
                                                   TensorWriteData, WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ..errors import CheckpointError
+from torch.distributed.checkpoint.api import CheckpointException
+
+from ..errors import AutohybridError, CheckpointError
 from .checkpoint_layout import Box
 
 FORMAT = "autohybrid-checkpoint/1"
@@ -117,7 +119,9 @@ def save(directory: str | Path, entries: list[Entry], manifest: dict[str, Any], 
     _on_rank_zero(lambda: _fresh_dir(root, partial))
     writer = dcp.FileSystemWriter(str(partial), thread_count=1, sync_files=True)
     state = {e.fqn: e.local for e in entries}
-    dcp.save(state, storage_writer=writer, planner=_SavePlanner(entries))
+    _dcp(lambda: dcp.save(state, storage_writer=writer, planner=_SavePlanner(entries),
+                          no_dist=not dist.is_initialized()),
+         f"writing checkpoint {final}")
     mine = {f.name: _file_record(f) for f in sorted(partial.glob(f"__{rank}_*"))}
     files = _gather_dicts(mine)
 
@@ -203,7 +207,9 @@ def load(where: Path, entries: list[Entry]) -> None:
     """Read into every box of `entries` its values from the checkpoint at `where` (already
     verified); every rank calls it."""
     state = {e.fqn: e.local for e in entries}
-    dcp.load(state, storage_reader=_SafeReader(str(where)), planner=_LoadPlanner(entries))
+    _dcp(lambda: dcp.load(state, storage_reader=_SafeReader(str(where)),
+                          planner=_LoadPlanner(entries), no_dist=not dist.is_initialized()),
+         f"reading checkpoint {where}")
 
 
 class _LoadPlanner(DefaultLoadPlanner):
@@ -288,6 +294,22 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 # ---------------------------------------------------------------------- helpers
+def _dcp(fn, what: str) -> Any:
+    """`fn()`, a DCP call; its CheckpointException (a BaseException carrying every
+    rank's failure) raised as the first rank's own AutohybridError, or as a
+    CheckpointError naming the rank and the error."""
+    try:
+        return fn()
+    except CheckpointException as exc:
+        failures = sorted(exc.failures.items())
+        for rank, (error, _) in failures:
+            if isinstance(error, AutohybridError):
+                raise error from None
+        rank, (error, _) = failures[0]
+        raise CheckpointError(f"{what} failed on rank {rank}: {type(error).__name__}: "
+                              f"{error}") from error
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 

@@ -16,6 +16,7 @@ parameter is refused by name.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -327,3 +328,71 @@ def _version(md: Any) -> str:
         return md.version("autohybrid")
     except Exception:
         return "unknown"
+
+
+# ---------------------------------------------------------------------- whole state dicts
+def load_whole_state(c: Any, state_dict: dict[str, torch.Tensor]) -> None:
+    """Every tensor this rank holds taken from a whole state dict (`model.state_dict()`
+    names, tied aliases included): its boxes of the whole tensors, so tp and ZeRO shards
+    receive what `model.load_state_dict` gives the model; no collective (ranks may call it
+    at different times). Keys missing or of another shape are left to torch's own load
+    to report."""
+    aliases: dict[str, list[str]] = {}
+    first: dict[int, str] = {}
+    for key, p in c.model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(first.setdefault(id(p), key), []).append(key)
+    with torch.no_grad():
+        for name, entry in param_entries(c.model, c.sharded, c.zero, c._owned).items():
+            full = next((state_dict[k] for k in aliases.get(name, [name]) if k in state_dict), None)
+            if not isinstance(full, torch.Tensor) or tuple(full.shape) != entry.shape:
+                continue
+            for b in entry.boxes:
+                index = tuple(slice(o, o + s) for o, s in zip(b.offsets, b.sizes))
+                b.view(entry.local).copy_(full[index])
+            if c.zero is not None and c.zero.stage < 3 and name in c.zero.params:
+                whole = c.zero.params[name]
+                spec = c.sharded.specs.get(name) if c.sharded is not None else None
+                whole.copy_(spec.local(full.to(whole.device)) if spec is not None else full)
+
+
+def guard_optimizer_load(optimizer: torch.optim.Optimizer, named: dict[str, torch.Tensor]) -> None:
+    """Refuse, in `optimizer.load_state_dict`, state whose tensors do not fit this rank's
+    parameters (an optimizer state dict of another plan: torch would take it and the
+    first step would fail on a size mismatch)."""
+    if getattr(optimizer, "_autohybrid_load_guard", False):
+        return
+    optimizer._autohybrid_load_guard = True
+    names = {id(p): name for name, p in named.items()}
+
+    def check(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        params = [p for g in opt.param_groups for p in g["params"]]
+        saved = [i for g in state_dict.get("param_groups", []) for i in g.get("params", [])]
+        if len(saved) != len(params):
+            raise CheckpointError(
+                f"optimizer.load_state_dict: the state dict has {len(saved)} parameters, this "
+                f"rank's optimizer {len(params)}: it is another plan's (or model's) optimizer "
+                "state; save with compiled.save and load with compiled.load, which reshard")
+        for index, p in zip(saved, params):
+            for key, value in state_dict.get("state", {}).get(index, {}).items():
+                if (isinstance(value, torch.Tensor) and value.dim() > 0
+                        and tuple(value.shape) != tuple(p.shape)):
+                    raise CheckpointError(
+                        f"optimizer.load_state_dict: state {key!r} of parameter "
+                        f"{names.get(id(p), index)!r} has shape {tuple(value.shape)}, this "
+                        f"rank's parameter {tuple(p.shape)}: it is another plan's optimizer "
+                        "state; save with compiled.save and load with compiled.load, which "
+                        "reshard")
+    optimizer.register_load_state_dict_pre_hook(check)
+
+
+def hook_whole_loads(c: Any) -> Any:
+    """`c.model.load_state_dict(...)` after compile also loads this rank's shards
+    (load_whole_state); the hook holds `c` weakly. Returns the hook's handle."""
+    ref = weakref.ref(c)
+
+    def hook(module, state_dict, prefix, *_):
+        compiled = ref()
+        if compiled is not None:
+            load_whole_state(compiled, {k[len(prefix):]: v for k, v in state_dict.items()
+                                        if k.startswith(prefix)})
+    return c.model.register_load_state_dict_pre_hook(hook)
