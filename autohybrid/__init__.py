@@ -13,7 +13,7 @@ from .calibrate import Profile, calibrate
 from .cluster import Cluster
 from .errors import (AutohybridError, CaptureError, ClusterError, NoPlanFitsError,
                      NotExecutableError, NumericsError, PlanError, RankFailure,
-                     RuntimeFailure)
+                     RankUnresponsive, RuntimeFailure)
 from .plan import Constraints, Plan
 from .runtime import launch as _launch
 from .runtime.launch import launch
@@ -27,5 +27,5 @@ __all__ = [
     "AutohybridError", "BenchResult", "CaptureError", "Cluster", "ClusterError", "Constraints", "Profile",
     "bench", "calibrate",
     "NoPlanFitsError", "NotExecutableError", "NumericsError", "Plan", "PlanError", "RankFailure",
-    "RuntimeFailure", "compile", "init", "launch", "models", "plan",
+    "RankUnresponsive", "RuntimeFailure", "compile", "init", "launch", "models", "plan",
 ]

@@ -36,6 +36,7 @@ from .planning import (check_plan_fits_model, make_plan, optimizer_kind,
 from .program import RankProgram
 from .rewrite import rewrite
 from .runtime.executor import Executor, check_same_plan
+from .runtime.failures import record_step
 from .runtime.capture_share import capture_once
 from .runtime.groups import build_mesh, ensure_initialized, from_rank_zero
 from .runtime.pipeline import PipelineRunner, merge_stages, shared_grad_groups
@@ -117,6 +118,7 @@ class CompiledModel:
         self.found_inf = False  # the last step's gradients overflowed (fp16): it was skipped
         #: train_steps completed (a skipped fp16 step counts): what a checkpoint records
         self.step = 0
+        record_step(0)
 
     def _capture_at_compile(self, example_targets: Any) -> CapturedGraph:
         """Capture what compile needs now; returns the graph the plan is made on and names.
@@ -428,6 +430,7 @@ class CompiledModel:
         if self.scaler is not None:
             self.scaler.update(self.found_inf)
         self.step += 1
+        record_step(self.step)  # the launcher names a failed rank's last step from it
         return loss
 
     def _checked_step(self, inputs: Any, targets: Any, local: bool,
