@@ -250,10 +250,13 @@ def launch(main: Callable[..., T], cluster: Any, *, args: tuple = (),
                                 start_method, attempt)
         except RankFailure as failure:
             if attempt == max_restarts:
-                if max_restarts:
-                    failure.add_note(f"every attempt failed: {max_restarts + 1} runs "
-                                     f"(max_restarts={max_restarts}); this is the last")
-                raise
+                if not max_restarts:
+                    raise
+                text = (f"{failure.traceback_text.rstrip()}\n(every attempt failed: "
+                        f"{max_restarts + 1} runs, max_restarts={max_restarts}; this was "
+                        "the last)")
+                raise type(failure)(failure.rank, text, failure.exitcode,
+                                    failure.last_step) from None
             _log.warning("rank %d failed on attempt %d of %d; restarting all ranks",
                          failure.rank, attempt + 1, max_restarts + 1)
     raise AssertionError("unreachable")
