@@ -14,7 +14,7 @@ from .cluster import Cluster
 from .errors import (AutohybridError, CaptureError, CheckpointError, ClusterError,
                      NoPlanFitsError,
                      NotExecutableError, NumericsError, PlanError, RankFailure,
-                     RuntimeFailure, TrainingArgumentError)
+                     RankUnresponsive, RuntimeFailure, TrainingArgumentError)
 from .plan import Constraints, Plan
 from .runtime import launch as _launch
 from .runtime.launch import launch
@@ -28,5 +28,5 @@ __all__ = [
     "AutohybridError", "BenchResult", "CaptureError", "CheckpointError", "Cluster", "ClusterError", "Constraints", "Profile",
     "bench", "calibrate",
     "NoPlanFitsError", "NotExecutableError", "NumericsError", "Plan", "PlanError", "RankFailure",
-    "RuntimeFailure", "TrainingArgumentError", "compile", "init", "launch", "models", "plan",
+    "RankUnresponsive", "RuntimeFailure", "TrainingArgumentError", "compile", "init", "launch", "models", "plan",
 ]

@@ -37,6 +37,7 @@ from .program import RankProgram
 from .rewrite import rewrite
 from .runtime.executor import Executor, check_same_plan
 from .runtime.fit import FitResult, build_scheduler, fit
+from .runtime.failures import record_step
 from .runtime.capture_share import capture_once
 from .runtime.safetensors_io import export_safetensors, import_safetensors
 from .runtime.checkpoint_state import (guard_optimizer_load, hook_whole_loads, load_compiled,
@@ -132,6 +133,7 @@ class CompiledModel:
         self.found_inf = False  # the last step's gradients overflowed (fp16): it was skipped
         #: train_steps completed (a skipped fp16 step counts): what a checkpoint records
         self.step = 0
+        record_step(0)
 
     def _capture_at_compile(self, example_targets: Any) -> CapturedGraph:
         """Capture what compile needs now; returns the graph the plan is made on and names.
@@ -450,6 +452,7 @@ class CompiledModel:
         if self.scaler is not None:
             self.scaler.update(self.found_inf)
         self.step += 1
+        record_step(self.step)  # the launcher names a failed rank's last step from it
         return loss
 
     def _checked_step(self, inputs: Any, targets: Any, local: bool,

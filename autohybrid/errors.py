@@ -40,14 +40,38 @@ class RuntimeFailure(AutohybridError):
 
 
 class RankFailure(RuntimeFailure):
-    """A rank of `ah.launch` raised; carries the rank and its formatted traceback."""
+    """A rank of `ah.launch` failed (raised, exited or was killed); carries the rank, its
+    formatted traceback (or how it ended), its exit code and its last step: the number
+    of `train_step`s it had completed (None when it compiled no model)."""
 
-    def __init__(self, rank: int, traceback_text: str, exitcode: int | None = None):
+    def __init__(self, rank: int, traceback_text: str, exitcode: int | None = None,
+                 last_step: int | None = None):
         self.rank = rank
         self.traceback_text = traceback_text
         self.exitcode = exitcode
+        self.last_step = last_step
         detail = traceback_text.strip() or f"exit code {exitcode}"
-        super().__init__(f"rank {rank} failed:\n{detail}")
+        super().__init__(f"rank {rank} {self._what()}{_steps_note(last_step)}:\n{detail}")
+
+    def _what(self) -> str:
+        return "failed"
+
+    def __reduce__(self):
+        return type(self), (self.rank, self.traceback_text, self.exitcode, self.last_step)
+
+
+class RankUnresponsive(RankFailure):
+    """A rank of `ah.launch` stopped responding: the ranks waiting for it timed out or
+    lost their connections, while it ran on without failing (its stack is in the text)."""
+
+    def _what(self) -> str:
+        return "stopped responding"
+
+
+def _steps_note(last_step: int | None) -> str:
+    if last_step is None:
+        return ""
+    return f" after {last_step} completed train_step{'' if last_step == 1 else 's'}"
 
 
 class NumericsError(RuntimeFailure):

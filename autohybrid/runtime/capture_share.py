@@ -42,7 +42,7 @@ import torch.nn as nn
 
 from ..capture import CapturedGraph, capture, capture_digest, capture_from, memoize
 from ..capture_wire import dumps
-from .groups import from_rank_zero
+from .groups import all_ranks_arrived, from_rank_zero
 
 _log = logging.getLogger("autohybrid.capture")
 
@@ -62,6 +62,7 @@ def capture_once(model: nn.Module, example_inputs: Any, loss_fn: Callable | None
         return capture(*args, **kwargs)
     digest, origin = capture_digest(*args, **kwargs)
     views: list[Any] = [None] * dist.get_world_size()
+    all_ranks_arrived()  # under the compile bound, not a step's
     dist.all_gather_object(views, (digest, origin))
     digests = {d for d, _ in views}
     if None in digests or len(digests) > 1:
@@ -82,6 +83,7 @@ def capture_once(model: nn.Module, example_inputs: Any, loss_fn: Callable | None
     else:
         problem = payload
     problems: list[Any] = [None] * dist.get_world_size()
+    all_ranks_arrived()  # under the compile bound, not a step's
     dist.all_gather_object(problems, problem)
     failed = [(rank, p) for rank, p in enumerate(problems) if p is not None]
     if failed:   # (no rank memoized the loaded graph: all run their own exports)

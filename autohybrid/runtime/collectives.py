@@ -41,6 +41,7 @@ import torch.distributed as dist
 from ..cost.comm import PIPELINE_SEGMENTS
 from ..ops.groups import all_gather_single, reduce_scatter_single
 from ..plan import Plan
+from .timeouts import new_group
 
 __all__ = ["Hierarchy", "AllReduce", "dp_group_ranks", "split_by_node", "subgroup_ranks",
            "build_hierarchy", "hierarchical_all_reduce", "gradient_all_reduce"]
@@ -126,11 +127,6 @@ class Hierarchy:
 _CACHE: dict[tuple, dict[tuple[int, ...], dist.ProcessGroup | None]] = {}
 
 
-def _timeout():
-    from .launch import _collective_timeout  # the default group's timeout under ah.launch
-    return _collective_timeout()
-
-
 def build_hierarchy(plan: Plan, group: dist.ProcessGroup | None) -> Hierarchy:
     """This rank's `Hierarchy` for its dp `group` under `plan`. Creates (once per world
     group and layout; every rank must call this at the same point) the subgroups of every
@@ -143,9 +139,8 @@ def build_hierarchy(plan: Plan, group: dist.ProcessGroup | None) -> Hierarchy:
     table = _CACHE.get(key)
     if table is None or table.get(()) is not world:
         table = {(): world}
-        timeout = _timeout()
         for _, _, ranks in layout:
-            table[tuple(ranks)] = dist.new_group(ranks, timeout=timeout)
+            table[tuple(ranks)] = new_group(ranks)  # with the collective bound
         _CACHE.clear()  # groups of an older world are gone with it
         _CACHE[key] = table
     rank = dist.get_rank()

@@ -39,6 +39,7 @@ from ..ops.zero import release_gathered
 from ..passes.manager import disabled_passes
 from ..plan import Plan
 from .collectives import gradient_all_reduce
+from .groups import all_ranks_arrived
 from .pipeline import PipelineRunner, tree_map
 from .precision import LossScaler, any_nonfinite
 from .reducer import GradReducer
@@ -249,6 +250,8 @@ def check_same_plan(plan_hash: str, group: dist.ProcessGroup | None = None) -> N
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     hashes: list[Any] = [None] * dist.get_world_size(group)
+    if group is None:
+        all_ranks_arrived()  # each rank rewrote its own program: meet under the compile bound
     dist.all_gather_object(hashes, plan_hash, group=group)
     if len(set(hashes)) > 1:
         from ..errors import PlanError

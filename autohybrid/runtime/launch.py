@@ -9,13 +9,18 @@ process it started in its process group) outlives `launch`, whatever happens.
   LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
   ``AUTOHYBRID_LAUNCHED=1`` are set, the default group is initialized from a fresh
   ``file://`` store, and destroyed when `main` returns. Results come back in rank order.
-- The first rank to fail (raise, or die without reporting) makes `launch` kill all ranks
-  and raise `RankFailure` for that rank. A timeout raises `RuntimeFailure`.
+- A rank that fails (raises, exits, is killed, or stops responding: its peers'
+  collectives time out) makes `launch` end every rank (each one's process group) and
+  raise `RankFailure` naming the rank that failed first in fact, not a neighbour that
+  lost its connection to it (runtime/rank_watch.py, runtime/failures.py), with its last
+  step. `max_restarts` starts the whole job again after a failure. A timeout raises
+  `RuntimeFailure`.
 - Under torchrun (``TORCHELASTIC_RUN_ID`` set, or RANK/WORLD_SIZE set by someone else)
   nothing is spawned: `main` runs in this process and `launch` returns ``[result]``, a
   one-element list holding only this rank's result.
 
-Environment: ``AUTOHYBRID_COLLECTIVE_TIMEOUT_S`` (process-group timeout, default 60),
+Environment: ``AUTOHYBRID_COLLECTIVE_TIMEOUT_S`` (process-group timeout, default 40:
+runtime/timeouts.py), ``AUTOHYBRID_RESTART_COUNT`` (set for `main`: the attempt, from 0),
 ``AUTOHYBRID_LAUNCH_TIMEOUT_S`` (overall timeout when `timeout_s` is None),
 ``AUTOHYBRID_INPROCESS=1`` (run a 1-rank world in this process instead of a child).
 """
@@ -23,28 +28,33 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import multiprocessing as mp
-import multiprocessing.connection as mpc
 import os
 import pickle
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 import traceback
-from datetime import timedelta
 from typing import Any, Callable, Iterator, TypeVar
 
 from autohybrid.errors import ClusterError, RankFailure, RuntimeFailure
+
+from .failures import PROGRESS_ENV, enable_stack_dump, is_peer_error
+from .rank_watch import RankWatch
+from .timeouts import collective_timeout as _collective_timeout
+from .timeouts import env_seconds as _env_float
 
 T = TypeVar("T")
 
 __all__ = ["launch", "free_port"]
 
 _KILL_GRACE_S = 3.0  # SIGTERM -> SIGKILL
-_EXIT_WAIT_S = 1.0  # how long to wait for a failed rank to exit, for its exit code
-_DEFAULT_COLLECTIVE_TIMEOUT_S = 60.0
+RESTART_ENV = "AUTOHYBRID_RESTART_COUNT"
+_log = logging.getLogger("autohybrid.runtime")
 
 
 def free_port() -> int:
@@ -66,21 +76,6 @@ def _cluster_info(cluster: Any) -> tuple[int, str, str, bool]:
         raise ClusterError(f"launch: world size must be an int >= 1, got {ws!r}; "
                            "pass a Cluster or a positive int")
     return ws, backend, device_type, local
-
-
-def _env_float(name: str, default: float | None) -> float | None:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise RuntimeFailure(f"env {name}={raw!r} is not a number of seconds") from None
-
-
-def _collective_timeout() -> timedelta:
-    return timedelta(seconds=_env_float("AUTOHYBRID_COLLECTIVE_TIMEOUT_S",
-                                        _DEFAULT_COLLECTIVE_TIMEOUT_S))
 
 
 def _under_torchrun() -> bool:
@@ -138,7 +133,8 @@ def _set_parent_death_signal() -> None:
 
 
 def _child(rank: int, ws: int, backend: str, device_type: str, port: int, store: str,
-           main: Callable[..., Any], args: tuple, conn: Any, parent_pid: int) -> None:
+           main: Callable[..., Any], args: tuple, conn: Any, parent_pid: int,
+           env: dict[str, str]) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     torch.set_num_threads(1)
@@ -148,14 +144,17 @@ def _child(rank: int, ws: int, backend: str, device_type: str, port: int, store:
     if os.getppid() != parent_pid:  # parent died before prctl took effect
         os._exit(1)
     os.environ.update(_rank_env(rank, ws, port))
+    os.environ.update(env)
+    enable_stack_dump(rank)
     reported = False
 
     def report_error() -> None:  # before the group is destroyed: peers fail after us
         nonlocal reported
         if not reported:
             reported = True
+            peer = is_peer_error(sys.exc_info()[1])
             with contextlib.suppress(Exception):
-                _send(conn, ("err", traceback.format_exc(), time.time()))
+                _send(conn, ("err", traceback.format_exc(), time.time(), peer))
 
     def guarded_main(rank: int, *args: Any) -> Any:
         try:
@@ -207,25 +206,25 @@ def _kill_all(procs: list[Any]) -> None:
         _signal_group(p, signal.SIGKILL)  # leftover grandchildren in the child's group
 
 
-def _describe_exit(code: int | None) -> str:
-    if code is not None and code < 0:
-        try:
-            return f"killed by signal {signal.Signals(-code).name} (exit code {code})"
-        except ValueError:
-            return f"killed by signal {-code} (exit code {code})"
-    return f"exited with code {code}"
-
-
 def launch(main: Callable[..., T], cluster: Any, *, args: tuple = (),
-           timeout_s: float | None = None, start_method: str = "fork") -> list[T]:
+           timeout_s: float | None = None, start_method: str = "fork",
+           max_restarts: int = 0) -> list[T]:
     """Run ``main(rank, *args)`` on every rank of `cluster`; return results in rank order.
 
     `cluster` has ``world_size``, ``backend``, ``device_type`` and ``is_local`` (or is an
     int: that many gloo/CPU ranks). Results must be picklable. Under torchrun, runs
-    `main` only for this process's rank and returns a one-element list ``[result]``.
-    Raises `RankFailure` for the first failing rank, `RuntimeFailure` on timeout.
+    `main` only for this process's rank and returns a one-element list ``[result]``
+    (torchrun's ``--max-restarts`` restarts there). Raises `RankFailure` naming the rank
+    that failed first (`RankUnresponsive` for one that stopped responding) once every
+    rank has ended, `RuntimeFailure` when `timeout_s` (the whole launch, restarts
+    included) runs out. With `max_restarts` = N, a failed job is ended and started
+    again, fresh processes on a fresh rendezvous, up to N times; `main` sees env
+    ``AUTOHYBRID_RESTART_COUNT`` (0 on the first attempt), and the last failure is
+    raised when every attempt failed.
     """
     ws, backend, device_type, local = _cluster_info(cluster)
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+        raise ClusterError(f"launch: max_restarts must be an int >= 0, got {max_restarts!r}")
     if _under_torchrun():
         env_ws = int(os.environ.get("WORLD_SIZE", "-1"))
         if env_ws != ws:
@@ -234,6 +233,7 @@ def launch(main: Callable[..., T], cluster: Any, *, args: tuple = (),
                 f"has world_size={ws}; start torchrun with {ws} processes in total "
                 f"(e.g. --nproc-per-node {ws}) or describe a cluster of {env_ws} ranks")
         rank = int(os.environ["RANK"])
+        os.environ.setdefault(RESTART_ENV, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         return [_run_in_this_process(main, rank, ws, backend, device_type, "env://", args)]
     if not local:
         raise ClusterError(f"launch: the cluster spans several nodes ({ws} ranks) but "
@@ -241,16 +241,50 @@ def launch(main: Callable[..., T], cluster: Any, *, args: tuple = (),
                            "torchrun on every node instead")
     if timeout_s is None:
         timeout_s = _env_float("AUTOHYBRID_LAUNCH_TIMEOUT_S", None)
-    port = free_port()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    if ws == 1 and os.environ.get("AUTOHYBRID_INPROCESS") == "1":
+        return _launch_in_this_process(main, backend, device_type, args)
+    for attempt in range(max_restarts + 1):
+        try:
+            return _launch_once(main, ws, backend, device_type, args, deadline, timeout_s,
+                                start_method, attempt)
+        except RankFailure as failure:
+            if attempt == max_restarts:
+                if not max_restarts:
+                    raise
+                text = (f"{failure.traceback_text.rstrip()}\n(every attempt failed: "
+                        f"{max_restarts + 1} runs, max_restarts={max_restarts}; this was "
+                        "the last)")
+                raise type(failure)(failure.rank, text, failure.exitcode,
+                                    failure.last_step) from None
+            _log.warning("rank %d failed on attempt %d of %d; restarting all ranks",
+                         failure.rank, attempt + 1, max_restarts + 1)
+    raise AssertionError("unreachable")
+
+
+def _launch_in_this_process(main: Callable[..., T], backend: str, device_type: str,
+                            args: tuple) -> list[T]:
     tmpdir = tempfile.mkdtemp(prefix="autohybrid-launch-")
-    store = os.path.join(tmpdir, "store")
     try:
-        if ws == 1 and os.environ.get("AUTOHYBRID_INPROCESS") == "1":
-            with _temp_env(_rank_env(0, 1, port)):
-                return [_run_in_this_process(main, 0, 1, backend, device_type,
-                                             f"file://{store}", args)]
-        return _launch_children(main, ws, backend, device_type, port, store, args,
-                                timeout_s, start_method)
+        with _temp_env(_rank_env(0, 1, free_port())):
+            return [_run_in_this_process(main, 0, 1, backend, device_type,
+                                         f"file://{os.path.join(tmpdir, 'store')}", args)]
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _launch_once(main: Callable[..., T], ws: int, backend: str, device_type: str,
+                 args: tuple, deadline: float | None, timeout_s: float | None,
+                 start_method: str, attempt: int) -> list[T]:
+    """One attempt: fresh ranks on a fresh port and store, all ended when it returns."""
+    tmpdir = tempfile.mkdtemp(prefix="autohybrid-launch-")
+    records = os.path.join(tmpdir, "records")
+    os.mkdir(records)
+    env = {PROGRESS_ENV: records, RESTART_ENV: str(attempt)}
+    try:
+        return _launch_children(main, ws, backend, device_type, free_port(),
+                                os.path.join(tmpdir, "store"), args, deadline, timeout_s,
+                                start_method, env)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
 
@@ -289,8 +323,9 @@ def heap_frozen_for_fork(start_method: str) -> Iterator[None]:
 
 
 def _launch_children(main: Callable[..., T], ws: int, backend: str, device_type: str,
-                     port: int, store: str, args: tuple, timeout_s: float | None,
-                     start_method: str) -> list[T]:
+                     port: int, store: str, args: tuple, deadline: float | None,
+                     timeout_s: float | None, start_method: str,
+                     env: dict[str, str]) -> list[T]:
     if device_type == "cuda" and start_method == "fork":
         import torch
         if torch.cuda.is_initialized():
@@ -299,68 +334,38 @@ def _launch_children(main: Callable[..., T], ws: int, backend: str, device_type:
     if start_method == "fork":
         _import_compile_path()
     ctx = mp.get_context(start_method)
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     procs: list[Any] = []
     readers: list[Any] = []
-    conns: dict[Any, int] = {}  # parent ends of the result pipes still open -> rank
-    results: dict[int, Any] = {}
     try:
         with heap_frozen_for_fork(start_method):
             for rank in range(ws):
                 reader, writer = ctx.Pipe(duplex=False)
                 p = ctx.Process(target=_child, name=f"autohybrid-rank{rank}", daemon=False,
                                 args=(rank, ws, backend, device_type, port, store, main,
-                                      args, writer, os.getpid()))
+                                      args, writer, os.getpid(), env))
                 p.start()
                 writer.close()
                 with contextlib.suppress(OSError):
                     os.setpgid(p.pid, p.pid)  # also done by the child; closes the race
                 procs.append(p)
                 readers.append(reader)
-                conns[reader] = rank
-        sentinels = {p.sentinel: r for r, p in enumerate(procs)}
-        while len(results) < ws:
+        watch = RankWatch(procs, readers, env[PROGRESS_ENV])
+        while len(watch.results) < ws:
+            if watch.decided():
+                raise watch.failure()  # `finally` ends every rank
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
-                running = [r for r in range(ws) if r not in results]
+                running = [r for r in range(ws) if r not in watch.results]
                 raise RuntimeFailure(
                     f"launch timed out after {timeout_s:g} s; ranks {running} still "
                     f"running (of {ws}); raise timeout_s or AUTOHYBRID_LAUNCH_TIMEOUT_S "
                     "if the job is just slow")
-            ready = mpc.wait(list(conns) + list(sentinels), timeout=remaining)
-            failures: list[tuple[float, int, str]] = []  # (when, rank, traceback)
-
-            def read(conn: Any) -> None:
-                try:
-                    kind, payload, when = pickle.loads(conn.recv_bytes())
-                except (EOFError, OSError):
-                    del conns[conn]
-                    return
-                if kind == "ok":
-                    results[conns[conn]] = payload
-                else:
-                    failures.append((when, conns[conn], payload))
-
-            dead = [sentinels.pop(o) for o in ready if o in sentinels]
-            for conn in [o for o in ready if o in conns]:
-                read(conn)
-            for rank in dead:
-                if readers[rank] in conns and readers[rank].poll():
-                    read(readers[rank])  # a report that raced with the exit
-                if rank not in results and all(f[1] != rank for f in failures):
-                    procs[rank].join(_EXIT_WAIT_S)  # sentinel fires just before reaping
-                    failures.append((time.time(), rank,
-                                     f"rank {rank} {_describe_exit(procs[rank].exitcode)} "
-                                     "without reporting a result or an exception"))
-            if failures:
-                _, rank, text = min(failures)
-                p = procs[rank]
-                p.join(_EXIT_WAIT_S)
-                raise RankFailure(rank, text, p.exitcode)  # `finally` kills the rest
+            waits = [w for w in (remaining, watch.wait_s()) if w is not None]
+            watch.poll(min(waits) if waits else None)
         grace_end = time.monotonic() + _KILL_GRACE_S  # all reported: let them tear down
         for p in procs:
             p.join(max(0.0, grace_end - time.monotonic()))
-        return [results[r] for r in range(ws)]
+        return [watch.results[r] for r in range(ws)]
     finally:
         _kill_all(procs)
         for c in readers:

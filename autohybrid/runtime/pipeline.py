@@ -53,6 +53,7 @@ from ..graph import VAL
 from ..ops.zero import release_gathered
 from ..plan import Plan
 from ..program import PipelineSplit, StageGraph
+from .timeouts import new_group
 
 SCHEDULE_CLASSES = {
     "gpipe": tpp.ScheduleGPipe,
@@ -389,7 +390,7 @@ def shared_grad_groups(plan: Plan, split: PipelineSplit) -> dict[str, dist.Proce
             for t in range(mesh.tp):
                 members = [plan.placement[(p * mesh.dp + d) * mesh.tp + t].rank
                            for p in pp_ranks]
-                group = dist.new_group(members)
+                group = new_group(members)  # with the collective bound
                 if me in members:
                     out.update({name: group for name in names})
     return out
