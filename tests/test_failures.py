@@ -250,3 +250,65 @@ def test_under_torchrun_a_killed_or_sleeping_rank_ends_the_job(tmp_path, how):
     _assert_no_process_left(pids)
     if how == "sleep":  # the peers ended themselves, by their collectives' bound
         assert "Timed out" in proc.stderr or "timed out" in proc.stderr.lower()
+
+
+# ---------------------------------------------------------------------- restart + resume
+class _KillingLoader:
+    """The batches; on the first attempt rank 2 is SIGKILLed during the step of batch
+    `kill_at` (a timer fires while train_step runs)."""
+
+    def __init__(self, batches, rank: int, kill_at: int):
+        self.batches, self.rank, self.kill_at = batches, rank, kill_at
+
+    def __iter__(self):
+        import threading
+        for i, batch in enumerate(self.batches):
+            if (i == self.kill_at and self.rank == 2
+                    and os.environ.get("AUTOHYBRID_RESTART_COUNT") == "0"):
+                threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGKILL)).start()
+            yield batch
+
+
+def _fit_with_restarts(rank: int, tmp: str, kill_at: int | None) -> dict:
+    """gpt-tiny under dp2×tp2 with AdamW and a schedule, fit to 6 steps with a checkpoint
+    every step and resume=True: what a restarted job runs again from the start."""
+    import torch.nn.functional as F
+    from _equiv import zoo_batches
+
+    _record_pid(tmp, rank)
+    torch.manual_seed(0)
+    model = ah.models.preset("gpt-tiny")
+    batches = zoo_batches("gpt-tiny", 8, steps=6)
+    compiled = ah.compile(
+        model, ah.Cluster.local(4), batches[0][0],
+        loss_fn=lambda y, t: F.cross_entropy(y.flatten(0, 1), t.flatten()),
+        example_targets=batches[0][1], optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+        scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2, gamma=0.5),
+        constraints=ah.Constraints(dp=2, tp=2, pp=1))
+    loader = batches if kill_at is None else _KillingLoader(batches, rank, kill_at)
+    result = compiled.fit(loader, steps=6, save_every=1, save_dir=Path(tmp, "ckpt"),
+                          resume=True, log_every=None)
+    return {"attempt": os.environ.get("AUTOHYBRID_RESTART_COUNT"),
+            "start": result.start_step, "losses": result.losses,
+            "state": {k: v.detach().clone() for k, v in compiled.full_state_dict().items()}}
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_a_killed_rank_restarts_the_job_which_resumes_to_the_uninterrupted_run(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOHYBRID_COLLECTIVE_TIMEOUT_S", TIMEOUT_S)
+    (tmp_path / "straight").mkdir()
+    (tmp_path / "killed").mkdir()
+    straight = ah.launch(_fit_with_restarts, ah.Cluster.local(4),
+                         args=(str(tmp_path / "straight"), None), timeout_s=guard(120))[0]
+    resumed = ah.launch(_fit_with_restarts, ah.Cluster.local(4),
+                        args=(str(tmp_path / "killed"), 4), timeout_s=guard(200),
+                        max_restarts=1)[0]
+    _assert_no_process_left(tmp_path / "killed")
+    assert resumed["attempt"] == "1" and straight["start"] == 0
+    assert 1 <= resumed["start"] <= 4, resumed["start"]  # the last complete checkpoint
+    torch.testing.assert_close(torch.tensor(resumed["losses"]),
+                               torch.tensor(straight["losses"][resumed["start"]:]))
+    for key, value in straight["state"].items():
+        torch.testing.assert_close(resumed["state"][key], value)
