@@ -52,13 +52,13 @@ def _model(name: str):
     return zoo_model(name)
 
 
-def _compile(name, optimizer, world, constraints):
+def _compile(name, optimizer, world, constraints, check=False):
     model = _model(name)
     batches = zoo_batches("gpt-tiny" if name == "gpt-dropout" else name, BATCH, steps=STEPS)
     inputs, targets = batches[0]
     compiled = ah.compile(model, ah.Cluster.local(world), inputs, loss_fn=lm_loss,
                           example_targets=targets, optimizer=OPTIMIZERS[optimizer],
-                          constraints=constraints)
+                          constraints=constraints, check=check)
     return compiled, batches
 
 
@@ -82,7 +82,9 @@ def _run_b(rank, case, directory):
     """Plan B: a new model (another seed), loaded from A's checkpoint, trained on."""
     name, optimizer, _, (world, constraints), _ = CASES[case]
     torch.manual_seed(1234)  # the generator's state must come from the checkpoint
-    compiled, batches = _compile(name, optimizer, world, constraints)
+    # check=True compares B's first step with eager from the loaded values
+    compiled, batches = _compile(name, optimizer, world, constraints,
+                                 check=case == "dp2-to-tp2")
     extra = compiled.load(directory)
     assert extra == {"case": case} and compiled.step == SAVE_AT, (extra, compiled.step)
     losses = [compiled.train_step(*batch).item() for batch in batches[SAVE_AT:]]
@@ -136,7 +138,7 @@ def _whole_state_loads(rank):
     optimizer_states = {}
     for layout in (C(dp=1, tp=2, pp=1), C(dp=2, tp=1, pp=1, zero=1),
                    C(dp=2, tp=1, pp=1, zero=3)):
-        compiled, batches = _compile("gpt-tiny", "adamw", 2, layout)
+        compiled, batches = _compile("gpt-tiny", "adamw", 2, layout, check=layout.tp == 2)
         compiled.model.load_state_dict(other)
         ref = zoo_model("gpt-tiny")
         ref.load_state_dict(other)

@@ -163,7 +163,10 @@ class _SavePlanner(DefaultSavePlanner):
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
         e, b = self._boxes[(write_item.index.fqn, tuple(write_item.index.offset))]
-        return b.view(e.local).detach().clone()
+        view = b.view(e.local).detach()
+        whole = (view.is_contiguous() and view.storage_offset() == 0
+                 and view.untyped_storage().nbytes() == view.numel() * view.element_size())
+        return view if whole else view.clone()  # torch.save of a view writes its storage
 
 
 # ---------------------------------------------------------------------- load

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
+from ..ops.zero import shard_of
 from ..program import ShardSpec
 from .checkpoint import Entry
 from .checkpoint_layout import Box, boxes, zero_range
@@ -294,22 +295,28 @@ def load_compiled(c: Any, path: Any, strict: bool) -> dict:
             f"{manifest.get('graph_hash')}, this model's {c.plan.model_hash}): the model's code "
             "or its loss differs though every tensor matches; load(..., strict=False) takes "
             "the tensors anyway")
-    params = param_entries(c.model, c.sharded, c.zero, c._owned)
+    # ZeRO 1/2 ranks hold the whole (tp-local) parameters: read those and cut the shards
+    # from them here, instead of reading the shards and all-gathering the rest
+    whole_params = c.zero is not None and c.zero.stage < 3
+    params = param_entries(c.model, c.sharded, None if whole_params else c.zero, c._owned)
     entries = [*params.values(), *buffer_entries(c.model)]
     optimizer = c.optimizer
     saved_opt = manifest.get("optimizer")
     if optimizer is not None and saved_opt is not None:
         named = c._optimizer_named()
         prepare_optimizer_state(optimizer, named, saved_opt["state"], saved_opt["class"])
-        entries += optimizer_entries(optimizer, named, params)
+        shards = param_entries(c.model, c.sharded, c.zero, c._owned) if whole_params else params
+        entries += optimizer_entries(optimizer, named, shards)
     rng = manifest["rng"]
     source = c.rank if c.rank < rng["world"] else c.rank % rng["world"]
     rngs = rng_entries(c.rank, source=source, device=c.device,
                        shapes={k: v for k, v in rng.items() if k != "world"})
     entries += rngs
     checkpoint.load(where, [e for e in entries if e.boxes])
-    if c.zero is not None and c.zero.stage < 3:
-        c.zero.gather_params()  # the whole (tp-local) parameters from the loaded shards
+    if whole_params:
+        with torch.no_grad():
+            for name, shard in c.zero.shards.items():
+                shard.copy_(shard_of(c.zero.params[name], c.zero.dp, c.zero.dp_rank))
     if optimizer is not None and saved_opt is not None:
         restore_hyperparameters(optimizer, saved_opt["param_groups"])
     scheduler = getattr(c, "scheduler", None)
@@ -318,9 +325,22 @@ def load_compiled(c: Any, path: Any, strict: bool) -> dict:
     if c.scaler is not None and manifest.get("scaler") is not None:
         for key, value in manifest["scaler"].items():
             setattr(c.scaler, key, value)
+    _refresh_check_reference(c, None)
     apply_rng(rngs, c.device)
     c.step = int(manifest["step"])
     return manifest.get("extra", {})
+
+
+def _refresh_check_reference(c: Any, state_dict: dict[str, torch.Tensor] | None) -> None:
+    """check=True's eager copy (rank 0's, taken at compile) given the loaded values, so
+    the first step is compared from them (`state_dict`: the whole state loaded; None:
+    gather it, every rank taking part). The per-stage check reads the state at the step."""
+    check = getattr(c, "_check", None)
+    if check is None or check.done or check.per_stage:
+        return
+    whole = state_dict if state_dict is not None else c.full_state_dict()
+    if check.reference is not None:
+        check.reference.load_state_dict(whole)
 
 
 def _version(md: Any) -> str:
@@ -393,6 +413,7 @@ def hook_whole_loads(c: Any) -> Any:
     def hook(module, state_dict, prefix, *_):
         compiled = ref()
         if compiled is not None:
-            load_whole_state(compiled, {k[len(prefix):]: v for k, v in state_dict.items()
-                                        if k.startswith(prefix)})
+            whole = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+            load_whole_state(compiled, whole)
+            _refresh_check_reference(compiled, whole)
     return c.model.register_load_state_dict_pre_hook(hook)
