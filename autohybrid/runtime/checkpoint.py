@@ -12,7 +12,8 @@ On disk, under the save directory:
     step-00000003/      a complete checkpoint: DCP's files and manifest.json
     .step-00000006.partial/   a save in progress (or one that crashed): never loaded
 
-A save writes into the `.partial` directory and rank 0 renames it to `step-N` only after
+Its collectives run on a group of their own, bounded by AUTOHYBRID_CHECKPOINT_TIMEOUT_S
+(ranks write and hash files of different sizes). A save writes into the `.partial` directory and rank 0 renames it to `step-N` only after
 every rank's files are written and the manifest (JSON: the Plan, the graph hash, the
 versions, every tensor's shape and dtype, the non-tensor state, each file's size and
 SHA-256) is on disk; so a crash leaves the previous checkpoint the latest. `keep_last`
@@ -49,6 +50,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import AutohybridError, CheckpointError
 from .checkpoint_layout import Box
+from .timeouts import checkpoint_timeout, new_group
 
 FORMAT = "autohybrid-checkpoint/1"
 MANIFEST = "manifest.json"
@@ -120,7 +122,7 @@ def save(directory: str | Path, entries: list[Entry], manifest: dict[str, Any], 
     writer = dcp.FileSystemWriter(str(partial), thread_count=1, sync_files=True)
     state = {e.fqn: e.local for e in entries}
     _dcp(lambda: dcp.save(state, storage_writer=writer, planner=_SavePlanner(entries),
-                          no_dist=not dist.is_initialized()),
+                          process_group=_group(), no_dist=not dist.is_initialized()),
          f"writing checkpoint {final}")
     mine = {f.name: _file_record(f) for f in sorted(partial.glob(f"__{rank}_*"))}
     files = _gather_dicts(mine)
@@ -211,7 +213,8 @@ def load(where: Path, entries: list[Entry]) -> None:
     verified); every rank calls it."""
     state = {e.fqn: e.local for e in entries}
     _dcp(lambda: dcp.load(state, storage_reader=_SafeReader(str(where)),
-                          planner=_LoadPlanner(entries), no_dist=not dist.is_initialized()),
+                          planner=_LoadPlanner(entries), process_group=_group(),
+                          no_dist=not dist.is_initialized()),
          f"reading checkpoint {where}")
 
 
@@ -327,11 +330,26 @@ def _on_rank_zero(fn):
     return from_rank_zero(fn)
 
 
+_GROUP: list[Any] = [None, None]  # [the world group, this job's checkpoint group]
+
+
+def _group() -> dist.ProcessGroup | None:
+    """The whole world in a group of its own, bounded by AUTOHYBRID_CHECKPOINT_TIMEOUT_S
+    (runtime/timeouts.py): ranks write and hash files of different sizes, longer than
+    the collective bound of a step should wait. Made once per job, on every rank."""
+    if not dist.is_initialized():
+        return None
+    world = dist.group.WORLD
+    if _GROUP[0] is not world:
+        _GROUP[:] = [world, new_group(range(dist.get_world_size()), checkpoint_timeout())]
+    return _GROUP[1]
+
+
 def _gather_dicts(mine: dict[str, Any]) -> dict[str, Any]:
     if _world() == 1:
         return dict(mine)
     parts: list[Any] = [None] * _world()
-    dist.all_gather_object(parts, mine)
+    dist.all_gather_object(parts, mine, group=_group())
     out: dict[str, Any] = {}
     for part in parts:
         out.update(part)

@@ -12,7 +12,10 @@ group made with `torch.distributed.new_group` directly would escape it: make gro
 
 `AUTOHYBRID_COMPILE_TIMEOUT_S` (default `DEFAULT_COMPILE_TIMEOUT_S`) bounds how long the
 other ranks wait for rank 0's capture and plan search (runtime/groups.from_rank_zero),
-which may take longer than a collective should.
+which may take longer than a collective should. `AUTOHYBRID_CHECKPOINT_TIMEOUT_S` (default
+`DEFAULT_CHECKPOINT_TIMEOUT_S`) bounds the collectives of a checkpoint save or load
+(runtime/checkpoint.py, on a group of its own): ranks write and hash files of different
+sizes, for longer than a step's collective should wait.
 
 This module owns reading the bounds from the environment; it starts no process and
 calls no collective beyond group creation.
@@ -27,14 +30,17 @@ import torch.distributed as dist
 
 from ..errors import RuntimeFailure
 
-__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "DEFAULT_COMPILE_TIMEOUT_S", "env_seconds",
-           "collective_timeout", "compile_timeout", "new_group"]
+__all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "DEFAULT_COMPILE_TIMEOUT_S",
+           "DEFAULT_CHECKPOINT_TIMEOUT_S", "env_seconds", "collective_timeout",
+           "compile_timeout", "checkpoint_timeout", "new_group"]
 
 #: seconds; with the launcher's few seconds to decide and end the ranks, a job whose rank
 #: stops responding ends within a minute (README, Debugging)
 DEFAULT_COLLECTIVE_TIMEOUT_S = 40.0
 #: seconds: rank 0 captures and searches for every rank (GPT-3 175B on 1024 GPUs: ~12 s)
 DEFAULT_COMPILE_TIMEOUT_S = 600.0
+#: seconds: a rank writing or checking a large shard file on a slow disk
+DEFAULT_CHECKPOINT_TIMEOUT_S = 600.0
 
 
 def env_seconds(name: str, default: float | None) -> float | None:
@@ -64,7 +70,13 @@ def compile_timeout() -> timedelta:
                                          DEFAULT_COMPILE_TIMEOUT_S))
 
 
-def new_group(ranks: Sequence[int]) -> dist.ProcessGroup:
-    """`dist.new_group(ranks)` with the collective bound (every rank must call it, in the
-    same order, as for torch's)."""
-    return dist.new_group(list(ranks), timeout=collective_timeout())
+def checkpoint_timeout() -> timedelta:
+    """The bound on a checkpoint save's or load's collectives."""
+    return timedelta(seconds=env_seconds("AUTOHYBRID_CHECKPOINT_TIMEOUT_S",
+                                         DEFAULT_CHECKPOINT_TIMEOUT_S))
+
+
+def new_group(ranks: Sequence[int], timeout: timedelta | None = None) -> dist.ProcessGroup:
+    """`dist.new_group(ranks)` with the collective bound, or `timeout` (every rank must
+    call it, in the same order, as for torch's)."""
+    return dist.new_group(list(ranks), timeout=timeout or collective_timeout())
