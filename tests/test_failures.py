@@ -22,6 +22,7 @@ peers wait 30 minutes and the guard fails the test.
 """
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import signal
@@ -37,6 +38,7 @@ import torch.distributed as dist
 
 import autohybrid as ah
 from _limits import guard
+from _pool import launch
 from _procs import is_dead, live_children
 from autohybrid.runtime.failures import Failure, culprit, in_collective, is_peer_error
 
@@ -220,20 +222,30 @@ def test_max_restarts_raises_the_last_failure_after_every_attempt(tmp_path):
 
 # ---------------------------------------------------------------------- torchrun
 TORCHRUN_SCRIPT = """
-    import sys
+    import json, sys
     sys.path.insert(0, {tests!r})
     import autohybrid as ah
-    from test_failures import MESHES, _train_and_fail
+    from test_failures import MESHES, _fit_with_restarts, _train_and_fail
 
     how, tmp = sys.argv[1], sys.argv[2]
-    ah.launch(_train_and_fail, ah.Cluster.from_env(), args=(MESHES["pp2xdp2"], how, tmp))
+    if how == "sleep":
+        ah.launch(_train_and_fail, ah.Cluster.from_env(), args=(MESHES["pp2xdp2"], how, tmp))
+    else:  # rank 2 SIGKILLed in step 4 of the first attempt; torchrun restarts the job
+        out = ah.launch(_fit_with_restarts, ah.Cluster.from_env(), args=(tmp, 4))[0]
+        if out["rank"] == 0:
+            json.dump({{k: out[k] for k in ("attempt", "start", "losses")}},
+                      open(tmp + "/result.json", "w"))
 """
 
 
 @pytest.mark.procs
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("how", ["sigkill", "sleep"])
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["sigkill-restart", "sleep"])
 def test_under_torchrun_a_killed_or_sleeping_rank_ends_the_job(tmp_path, how):
+    """A sleeping rank: the peers end by their collectives' bound and torchrun exits
+    non-zero. A SIGKILLed rank under --max-restarts=1: torchrun ends the other ranks
+    and starts the job again, whose fit(resume=True) resumes from the last complete
+    checkpoint to the uninterrupted run's losses."""
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(TORCHRUN_SCRIPT.format(tests=str(REPO / "tests"))))
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOHYBRID_")}
@@ -241,15 +253,25 @@ def test_under_torchrun_a_killed_or_sleeping_rank_ends_the_job(tmp_path, how):
                AUTOHYBRID_COLLECTIVE_TIMEOUT_S=TIMEOUT_S)
     pids = tmp_path / "pids"
     pids.mkdir()
+    restarts = ["--max-restarts", "1"] if how == "sigkill-restart" else []
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", *restarts,
          "--nproc-per-node", "4", str(script), how, str(pids)],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=guard(100))
-    assert proc.returncode != 0, proc.stdout + proc.stderr
-    assert len(list(pids.glob("*.pid"))) == 4
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=guard(160))
     _assert_no_process_left(pids)
     if how == "sleep":  # the peers ended themselves, by their collectives' bound
+        assert proc.returncode != 0, proc.stdout + proc.stderr
+        assert len(list(pids.glob("*.pid"))) == 4
         assert "Timed out" in proc.stderr or "timed out" in proc.stderr.lower()
+        return
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len(list(pids.glob("a0-*.pid"))) == len(list(pids.glob("a1-*.pid"))) == 4
+    resumed = json.loads((pids / "result.json").read_text())
+    straight = launch(_fit_with_restarts, 4, args=(str(tmp_path / "straight"), None),
+                      timeout_s=guard(120))[0]
+    assert resumed["attempt"] == "1" and 1 <= resumed["start"] <= 4, resumed
+    torch.testing.assert_close(torch.tensor(resumed["losses"]),
+                               torch.tensor(straight["losses"][resumed["start"]:]))
 
 
 # ---------------------------------------------------------------------- restart + resume
@@ -270,6 +292,7 @@ class _KillingLoader:
 
 
 def _fit_with_restarts(rank: int, tmp: str, kill_at: int | None) -> dict:
+    Path(tmp).mkdir(exist_ok=True)
     """gpt-tiny under dp2×tp2 with AdamW and a schedule, fit to 6 steps with a checkpoint
     every step and resume=True: what a restarted job runs again from the start."""
     import torch.nn.functional as F
@@ -288,7 +311,7 @@ def _fit_with_restarts(rank: int, tmp: str, kill_at: int | None) -> dict:
     loader = batches if kill_at is None else _KillingLoader(batches, rank, kill_at)
     result = compiled.fit(loader, steps=6, save_every=1, save_dir=Path(tmp, "ckpt"),
                           resume=True, log_every=None)
-    return {"attempt": os.environ.get("AUTOHYBRID_RESTART_COUNT"),
+    return {"attempt": os.environ.get("AUTOHYBRID_RESTART_COUNT"), "rank": rank,
             "start": result.start_step, "losses": result.losses,
             "state": {k: v.detach().clone() for k, v in compiled.full_state_dict().items()}}
 

@@ -115,13 +115,33 @@ def _run_in_this_process(main: Callable[..., T], rank: int, ws: int, backend: st
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     created = not dist.is_initialized()
     if created:
-        dist.init_process_group(backend, init_method=init_method, rank=rank,
-                                world_size=ws, timeout=_collective_timeout())
+        store = _torchrun_attempt_store()
+        if store is not None:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=ws,
+                                    timeout=_collective_timeout())
+        else:
+            dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                    world_size=ws, timeout=_collective_timeout())
     try:
         return main(rank, *args)
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _torchrun_attempt_store() -> Any:
+    """Under torchrun: torchrun's store with a prefix naming this restart attempt, else
+    None. The workers torchrun --max-restarts starts again find the first attempt's gloo
+    addresses under env://'s keys (torch 2.13: their connectFullMesh is refused or hangs;
+    seen with a plain torch script too), so each attempt keeps its keys apart."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if (attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            or "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ):
+        return None  # (without the agent's store, env:// makes one: nothing is stale)
+    import torch.distributed as dist
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=_collective_timeout())
+    return dist.PrefixStore(f"autohybrid/attempt_{attempt}", store)
 
 
 def _set_parent_death_signal() -> None:
