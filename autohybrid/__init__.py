@@ -11,9 +11,9 @@ from .api import compile, plan
 from .bench import BenchResult, bench
 from .calibrate import Profile, calibrate
 from .cluster import Cluster
-from .errors import (AutohybridError, CaptureError, ClusterError, NoPlanFitsError,
-                     NotExecutableError, NumericsError, PlanError, RankFailure,
-                     RuntimeFailure)
+from .errors import (AutohybridError, CaptureError, ClusterError, InputError, ModelError,
+                     NoPlanFitsError, NotExecutableError, NumericsError, PlanError,
+                     RankFailure, RuntimeFailure, UserFunctionError)
 from .plan import Constraints, Plan
 from .runtime import launch as _launch
 from .runtime.launch import launch
@@ -24,7 +24,8 @@ __version__ = "0.1.0"
 logs.configure_from_env()
 
 __all__ = [
-    "AutohybridError", "BenchResult", "CaptureError", "Cluster", "ClusterError", "Constraints", "Profile",
+    "AutohybridError", "BenchResult", "CaptureError", "Cluster", "ClusterError", "Constraints",
+    "InputError", "ModelError", "Profile", "UserFunctionError",
     "bench", "calibrate",
     "NoPlanFitsError", "NotExecutableError", "NumericsError", "Plan", "PlanError", "RankFailure",
     "RuntimeFailure", "compile", "init", "launch", "models", "plan",
