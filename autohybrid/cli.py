@@ -432,7 +432,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         check_outputs(args)
         cluster = Cluster.parse(args.cluster, nodes=args.nodes)
         spec = _spec(args.model, args.seq)
-        plan = _run_plan(args.plan, spec, cluster, None)
+        plan = _run_plan(args.plan, spec, cluster, None, "bench")
         result = bench(spec.ref, cluster, global_batch=args.global_batch, steps=args.steps,
                        warmup=args.warmup, plan=plan,
                        constraints=_constraints(args.constrain) if args.constrain else None,
@@ -456,7 +456,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if result.to_dict()["loss_check"]["ok"] else EXIT_FAILED
 
 
-def _run_plan(path: str | None, spec, cluster, dtype: str | None):
+def _run_plan(path: str | None, spec, cluster, dtype: str | None, command: str = "train"):
     """The `--plan` of train / bench, checked against this run before any rank starts:
     the MODEL builds (on the meta device), and the plan is for this world size, the
     MODEL's parameters and the run's dtype (`dtype`; None: the model's own)."""
@@ -467,7 +467,8 @@ def _run_plan(path: str | None, spec, cluster, dtype: str | None):
     if path is None:
         return None
     plan = Plan.from_json(path)
-    check_run_plan(plan, workload, cluster.world_size, dtype_name(dtype, workload.model))
+    check_run_plan(plan, workload, cluster.world_size, dtype_name(dtype, workload.model),
+                   command)
     return plan
 
 

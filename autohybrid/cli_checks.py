@@ -58,17 +58,20 @@ class Outputs:
         self.paths.clear()
 
 
-def check_run_plan(plan: Any, workload: Any, world_size: int, dtype: str) -> None:
+def check_run_plan(plan: Any, workload: Any, world_size: int, dtype: str,
+                   command: str = "train") -> None:
     """A `--plan` fits this run: world size, the MODEL's parameters, the dtype."""
     from .checks import check_plan_params, check_plan_world_size  # (imports torch)
 
     check_plan_world_size(plan, world_size)
     check_plan_params(plan, workload.model)
     if plan.dtype != dtype:
+        fix = (f"pass --dtype {plan.dtype} to train as planned, or " if command == "train"
+               else "bench compares with eager in the model's dtype: ")
         raise UsageError(
             f"--plan: the plan trains in {plan.dtype} (`autohybrid plan` plans bfloat16 "
-            f"unless --dtype says otherwise) but this run trains in {dtype}: pass --dtype "
-            f"{plan.dtype} to train as planned, or plan again with --dtype {dtype}")
+            f"unless --dtype says otherwise) but this run trains in {dtype}: {fix}plan "
+            f"again with --dtype {dtype}")
 
 
 def check_model_code(plan: Any, trusted: bool) -> None:
