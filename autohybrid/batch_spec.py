@@ -5,7 +5,7 @@ embeddings; `spec.problem(inputs, targets)` says what does not fit (None: it fit
 message naming the tensor, what was compiled and the fix:
 
 - each tensor's kind (floating, integer, bool; floating dtypes exactly) and dims, the
-  static sizes, one size per symbolic dim, one batch size (dim 0) across the batch;
+  static sizes, one size per symbolic dim of the graph;
 - token ids of an embedding fed from the batch within [0, rows), and positions made by
   `arange(length)` for an embedding (GPT's learned positions) within its rows;
 - any other shape the graph cannot take (a target of the wrong length, a sequence longer
@@ -56,7 +56,6 @@ class _Lookup:
 class BatchSpec:
     slots: list[_Slot]
     lookups: list[_Lookup]
-    roles: dict[Any, str]
     graph: CapturedGraph = field(repr=False)
     #: shape signatures the graph ran on (meta), with the problem found (None: fits)
     tried: dict[tuple, str | None] = field(default_factory=dict)
@@ -77,7 +76,7 @@ class BatchSpec:
             slots.append(_Slot(f"{name}[{counters[role]}]", val.dtype,
                                tuple(_size(s) for s in val.shape)))
             counters[role] += 1
-        spec = cls(slots, _lookups(cap.gm, index), dict(cap.dim_roles), cap)
+        spec = cls(slots, _lookups(cap.gm, index), cap)
         spec.tried[spec._example_key()] = None
         return spec
 
@@ -90,7 +89,7 @@ class BatchSpec:
             return None  # counted by the caller, which names inputs and targets
         binding: dict[Any, int] = {}
         for slot, t in zip(self.slots, tensors):
-            why = _slot_problem(slot, t, binding, self.roles)
+            why = _slot_problem(slot, t, binding)
             if why:
                 return why
         why = self._lookup_problem(tensors, binding)
@@ -163,7 +162,7 @@ def _arange_from_zero(node: fx.Node) -> bool:
     return node.target is _ARANGES[0] or (len(node.args) >= 2 and node.args[0] == 0)
 
 
-def _slot_problem(slot: _Slot, t: torch.Tensor, binding: dict, roles: dict) -> str | None:
+def _slot_problem(slot: _Slot, t: torch.Tensor, binding: dict) -> str | None:
     got, want = t.dtype, slot.dtype
     if got.is_floating_point != want.is_floating_point or (got == torch.bool) != (
             want == torch.bool) or (want.is_floating_point and got != want):
@@ -178,20 +177,16 @@ def _slot_problem(slot: _Slot, t: torch.Tensor, binding: dict, roles: dict) -> s
                 f"compiled for {len(slot.sizes)} dims {compiled} (* any size): pass it "
                 "shaped as in the example")
     for d, (size, want_size) in enumerate(zip(shape, slot.sizes)):
-        key = "batch" if d == 0 else want_size  # dim 0 is every tensor's batch
-        if isinstance(want_size, int) and d > 0:
-            if size != want_size:
+        if isinstance(want_size, int):
+            if d > 0 and size != want_size:  # (dim 0: a rank's shard is smaller)
                 return (f"{slot.what} has size {size} in dim {d} (shape {shape}) where the "
                         f"model was compiled for {want_size} (shape {compiled}, * any size)")
             continue
-        if key in binding and binding[key] != size:
-            what = "batch size" if key == "batch" else f"size of dim {d}"
-            return (f"{slot.what} has {what} {size} (shape {shape}) but the batch's other "
-                    f"tensors have {binding[key]}: every input and target must describe "
-                    "the same samples")
-        binding[key] = size
-        if d == 0 and not isinstance(want_size, int):
-            binding[want_size] = size
+        if want_size in binding and binding[want_size] != size:
+            return (f"{slot.what} has size {size} in dim {d} (shape {shape}) but the graph "
+                    f"needs it equal to another tensor's {binding[want_size]} there (one "
+                    "symbolic size in the captured graph): pass tensors of matching sizes")
+        binding[want_size] = size
     return None
 
 
