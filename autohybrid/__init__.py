@@ -12,9 +12,9 @@ from .bench import BenchResult, bench
 from .calibrate import Profile, calibrate
 from .cluster import Cluster
 from .errors import (AutohybridError, CaptureError, CheckpointError, ClusterError,
-                     NoPlanFitsError,
-                     NotExecutableError, NumericsError, PlanError, RankFailure,
-                     RankUnresponsive, RuntimeFailure, TrainingArgumentError)
+                     InputError, ModelError, NoPlanFitsError, NotExecutableError,
+                     NumericsError, PlanError, RankFailure, RankUnresponsive, RuntimeFailure,
+                     TrainingArgumentError, UserFunctionError)
 from .plan import Constraints, Plan
 from .runtime import launch as _launch
 from .runtime.launch import launch
@@ -25,7 +25,8 @@ __version__ = "0.1.0"
 logs.configure_from_env()
 
 __all__ = [
-    "AutohybridError", "BenchResult", "CaptureError", "CheckpointError", "Cluster", "ClusterError", "Constraints", "Profile",
+    "AutohybridError", "BenchResult", "CaptureError", "CheckpointError", "Cluster",
+    "ClusterError", "Constraints", "InputError", "ModelError", "Profile", "UserFunctionError",
     "bench", "calibrate",
     "NoPlanFitsError", "NotExecutableError", "NumericsError", "Plan", "PlanError", "RankFailure",
     "RankUnresponsive", "RuntimeFailure", "TrainingArgumentError", "compile", "init", "launch", "models", "plan",

@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 
 from .capture import as_tuple, capture
+from .checks import (check_global_batch, check_optimizer_factory, check_plan_before_capture,
+                     check_trainable)
 from .cluster import Cluster
 from .errors import AutohybridError, NotExecutableError, PlanError, TrainingArgumentError
 from .plan import Constraints, Plan
@@ -69,6 +71,7 @@ def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
     `ah.compile(..., example_targets=...)` does; without, on the forward graph.
     """
     cluster = _check_cluster(cluster)
+    check_global_batch(global_batch)
     inputs = as_tuple(example_inputs)
     if example_targets is not None:
         train = capture(model, inputs, loss_fn, example_targets)
@@ -123,6 +126,11 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
             "given: pass optimizer=lambda params: torch.optim.SGD(params, lr=0.1) too")
 
     cluster = _check_cluster(cluster)
+    check_trainable(model)
+    check_optimizer_factory(optimizer)
+    check_global_batch(global_batch)
+    if plan is not None:  # before capture: a plan for another world or model costs nothing
+        check_plan_before_capture(plan, model, cluster)
     on_meta = [p.device.type == "meta" for p in model.parameters()]
     if any(on_meta) and init_seed is None:
         raise NotExecutableError(

@@ -60,9 +60,17 @@ class Profile:
     @classmethod
     def from_json(cls, path_or_text: str | Path) -> "Profile":
         text = str(path_or_text)
-        if not text.lstrip().startswith("{"):
-            text = Path(path_or_text).read_text()
-        data = json.loads(text)
+        try:
+            if not text.lstrip().startswith("{"):
+                text = Path(path_or_text).read_text()
+            data = json.loads(text)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise AutohybridError(f"cannot read calibration profile {str(path_or_text)[:80]!r}: "
+                                  f"{exc}; give a file `autohybrid calibrate --out` wrote"
+                                  ) from exc
+        if not isinstance(data, dict):
+            raise AutohybridError("a calibration profile is a JSON object; give a file "
+                                  "`autohybrid calibrate --out` wrote")
         if data.get("version") != PROFILE_VERSION:
             raise AutohybridError(f"calibration profile version {data.get('version')!r} is not "
                                   f"{PROFILE_VERSION}; run `autohybrid calibrate` again")

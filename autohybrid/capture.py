@@ -336,7 +336,9 @@ def _export_with_fallback(wrapper: nn.Module, model: nn.Module, args: tuple,
                                      strict=False)
             return ep, "symbolic_trace"
         except Exception as trace_exc:
-            raise _capture_error(export_exc, trace_exc, model, missing_target) from export_exc
+            raise (_loss_fn_error(export_exc, getattr(wrapper, "loss_fn", None))
+                   or _capture_error(export_exc, trace_exc, model, missing_target)
+                   ) from export_exc
         finally:
             wrapper.model = model
 
@@ -359,6 +361,27 @@ def _symbolic_trace(model: nn.Module) -> fx.GraphModule:
             del owner._buffers[attr]
             setattr(owner, attr, tensor)
     return gm
+
+
+def _loss_fn_error(exc: BaseException, loss_fn: Callable | None) -> CaptureError | None:
+    """A CaptureError naming `loss_fn` when the failure was raised inside it (None when
+    it was not: the model's forward failed, or there is no loss_fn)."""
+    if loss_fn is None:
+        return None
+    target = getattr(loss_fn, "func", loss_fn)  # functools.partial
+    code = getattr(target, "__code__", None) or getattr(
+        getattr(type(target), "forward", None), "__code__", None)
+    frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
+    if code is None or not any(frame.f_code is code for frame in frames):
+        return None
+    name = getattr(target, "__qualname__", type(target).__name__)
+    where = f"{code.co_filename}:{code.co_firstlineno}"
+    reason = (str(exc).strip().splitlines() or [""])[0]
+    return CaptureError(
+        f"could not capture the loss: loss_fn {name} ({where}) raised "
+        f"{type(exc).__name__}: {reason}\n"
+        "  what to do: check it in eager, loss_fn(model(*example_inputs), example_targets), "
+        "and fix it (or its targets: the model's output shape must match what it expects)")
 
 
 def _capture_error(export_exc: BaseException, trace_exc: BaseException,

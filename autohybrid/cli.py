@@ -11,7 +11,9 @@
 MODEL is a zoo preset (`autohybrid plan --list-models`) or `path/file.py:factory`, with
 arguments after `?` (`gpt-tiny?layers=2&seq=32`: models/spec.py). Every command takes
 `--json` (machine-readable output on stdout; the human-readable tables otherwise).
-Exit status: 0 done, 2 bad input or no plan fits (the reason is printed), 1 a run failed.
+Exit status: 0 done, 2 bad input or no plan fits (the reason is printed, nothing is
+left written), 1 a run failed. A MODEL naming `file.py:factory` is code (building the
+model runs the file); `inspect` runs a plan's file only with --trust-model-code.
 """
 from __future__ import annotations
 
@@ -22,6 +24,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
+
+from .errors import AutohybridError
+from .cli_checks import Outputs, check_model_code, check_outputs, check_run_plan
 
 EXIT_NO_PLAN = 2
 EXIT_FAILED = 1
@@ -79,6 +84,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="write Graphviz DOT files of the rank's graphs to DIR")
     inspect.add_argument("--report", default=None, help="write the HTML report to this file")
     inspect.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    inspect.add_argument("--trust-model-code", action="store_true",
+                         help="rebuild a model whose MODEL names a Python file (runs it)")
     bench = sub.add_parser(
         "bench", help="compiled vs eager vs hand-written PyTorch of the same layout",
         description="Train MODEL on a local cluster with the compiled plan, in eager PyTorch "
@@ -135,6 +142,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true",
                        help="continue from the latest checkpoint under --save-dir (a fresh "
                             "start when there is none) to --steps steps in all")
+    train.add_argument("--dtype", default=None,
+                       help="training dtype (default: the model's, float32); a --plan must "
+                            "have been made for it")
     train.add_argument("--check", nargs="?", const="auto", default=None,
                        choices=("auto", "whole", "stage"),
                        help="compare the first step with a reference and stop, naming the "
@@ -185,8 +195,11 @@ def _with_progress(args: argparse.Namespace):
 
 
 def _fail(command: str, exc: BaseException) -> int:
+    """Print why `command` stopped; exit 1 when a run failed, 2 for bad input."""
+    from .errors import RuntimeFailure
+
     print(f"autohybrid {command}: {exc}", file=sys.stderr)
-    return EXIT_NO_PLAN
+    return EXIT_FAILED if isinstance(exc, RuntimeFailure) else EXIT_NO_PLAN
 
 
 def _write_report(path: str, plan, *, measured=None, bench=None, program=None) -> None:
@@ -213,6 +226,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _with_progress(args)
     start = time.perf_counter()
     try:
+        check_outputs(args)
         cluster = Cluster.parse(args.cluster, nodes=args.nodes)
         spec = _spec(args.model, args.seq)
         work = spec.build(device="meta")
@@ -230,13 +244,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     except (AutohybridError, ValueError, OSError) as exc:
         return _fail("plan", exc)
     elapsed = time.perf_counter() - start
-    if args.out:
-        plan.to_json(args.out)
-    if args.json:
-        print(plan.to_json(), end="")  # the JSON text ends in a newline already
-    else:
-        print_plan(plan, _console())
-        print(f"(planned in {elapsed:.1f} s)")
+    outputs = Outputs()
     try:
         program = None
         if args.report:  # rank 0's program from the model just planned: no second rebuild
@@ -246,18 +254,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 program = rank_program(plan, 0, workload=work, check=False)
             except AutohybridError:
                 program = None  # the report rebuilds it and says why it cannot
-        _write_files(args, plan, program=program)
+        _write_files(args, plan, program=program, outputs=outputs)
+        if args.out:
+            plan.to_json(args.out)
+            outputs.wrote([args.out])
     except (AutohybridError, ValueError, OSError) as exc:
+        outputs.remove()  # no partial output
         return _fail("plan", exc)
+    if args.json:
+        print(plan.to_json(), end="")  # the JSON text ends in a newline already
+    else:
+        print_plan(plan, _console())
+        print(f"(planned in {elapsed:.1f} s)")
     return 0
 
 
 def _write_files(args: argparse.Namespace, plan, measured=None, bench=None,
-                 program=None) -> None:
+                 program=None, outputs: Outputs | None = None) -> None:
     """--report, --trace and --plots of `plan` (with the measured run, if any). The
     predicted timeline (half a second for GPT-3's 1024 ranks) is built only for them."""
+    outputs = outputs if outputs is not None else Outputs()
     if getattr(args, "report", None):
         _write_report(args.report, plan, measured=measured, bench=bench, program=program)
+        outputs.wrote([args.report])
     if not (getattr(args, "trace", None) or getattr(args, "plots", None)):
         return
     from .report.timeline import predicted_timeline, write_chrome_trace
@@ -266,6 +285,7 @@ def _write_files(args: argparse.Namespace, plan, measured=None, bench=None,
     if getattr(args, "trace", None):
         timelines = (measured, predicted) if measured is not None else (predicted,)
         write_chrome_trace(args.trace, *timelines)
+        outputs.wrote([args.trace])
         print(f"wrote {args.trace}", file=sys.stderr)
     if getattr(args, "plots", None):
         from .report.plots import plot_memory, plot_timeline
@@ -275,6 +295,7 @@ def _write_files(args: argparse.Namespace, plan, measured=None, bench=None,
         others = (measured,) if measured is not None else ()
         written = [plot_timeline(predicted, folder / "timeline.png", others=others),
                    plot_memory(plan, folder / "memory.png")]
+        outputs.wrote(written)
         print("wrote " + ", ".join(map(str, written)), file=sys.stderr)
 
 
@@ -337,7 +358,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .plan import Plan
 
     try:
+        check_outputs(args)
         plan = Plan.from_json(args.plan_file)
+        check_model_code(plan, args.trust_model_code)
         data, program = inspect_data(plan, args.rank, args.show_pass)
         if args.dot:
             from .report.graphview import write_dot
@@ -417,9 +440,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     _with_progress(args)
     try:
+        check_outputs(args)
         cluster = Cluster.parse(args.cluster, nodes=args.nodes)
         spec = _spec(args.model, args.seq)
-        plan = Plan.from_json(args.plan) if args.plan else None
+        plan = _run_plan(args.plan, spec, cluster, None, "bench")
         result = bench(spec.ref, cluster, global_batch=args.global_batch, steps=args.steps,
                        warmup=args.warmup, plan=plan,
                        constraints=_constraints(args.constrain) if args.constrain else None,
@@ -443,10 +467,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0 if result.to_dict()["loss_check"]["ok"] else EXIT_FAILED
 
 
+def _run_plan(path: str | None, spec, cluster, dtype: str | None, command: str = "train"):
+    """The `--plan` of train / bench, checked against this run before any rank starts:
+    the MODEL builds (on the meta device), and the plan is for this world size, the
+    MODEL's parameters and the run's dtype (`dtype`; None: the model's own)."""
+    from .plan import Plan
+    from .planning import dtype_name
+
+    workload = spec.build(device="meta")  # a bad MODEL argument fails here, not in ranks
+    if path is None:
+        return None
+    plan = Plan.from_json(path)
+    check_run_plan(plan, workload, cluster.world_size, dtype_name(dtype, workload.model),
+                   command)
+    return plan
+
+
 def _train_rank(rank: int, ref: str, world: int, steps: int, plan_json: str | None,
                 constraints: Any, global_batch: int | None, optimizer: str, lr: float,
                 save: str | None, check: str | None = None,
-                fit_options: dict[str, Any] | None = None) -> dict[str, Any]:
+                fit_options: dict[str, Any] | None = None,
+                dtype: str | None = None) -> dict[str, Any]:
     """One rank of `autohybrid train MODEL`: compile, train to `steps` steps through
     compiled.fit (checkpoints and resume: `fit_options`), report."""
     import torch
@@ -466,7 +507,7 @@ def _train_rank(rank: int, ref: str, world: int, steps: int, plan_json: str | No
     compiled = api.compile(work.model, Cluster.local(world), inputs, loss_fn=work.loss_fn,
                            example_targets=targets, optimizer=make,
                            plan=Plan.from_json(plan_json) if plan_json else None,
-                           constraints=constraints, global_batch=batch,
+                           constraints=constraints, global_batch=batch, dtype=dtype,
                            check=True if check == "auto" else (check or False))
     # the batches are one epoch of `steps`: a resume at step k skips the first k
     result = compiled.fit(batches, steps=steps, **(fit_options or {}))
@@ -496,11 +537,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.steps < 1:
             raise ValueError(f"--steps must be at least 1, got {args.steps}")
         fit_options = _fit_options(args)
+        check_outputs(args)
         spec = _spec(target, args.seq)
         constraints = _constraints(args.constrain) if args.constrain else None
+        _run_plan(args.plan, spec, cluster, args.dtype)
         results = launch(_train_rank, cluster, args=(
             spec.ref, cluster.world_size, args.steps, args.plan, constraints,
-            args.global_batch, args.optimizer, args.lr, args.save, args.check, fit_options))
+            args.global_batch, args.optimizer, args.lr, args.save, args.check, fit_options,
+            args.dtype))
     except (AutohybridError, ValueError, OSError) as exc:
         return _fail("train", exc)
     first = results[0]
@@ -568,15 +612,17 @@ def _train_script(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from .calibrate import calibrate
     from .cluster import Cluster
-    from .errors import AutohybridError
+    from .errors import AutohybridError, UsageError
 
     _with_progress(args)
     try:
+        check_outputs(args)
+        if args.world_size < 1:
+            raise UsageError(f"--world-size must be at least 1, got {args.world_size}")
         profile = calibrate(Cluster.local(args.world_size) if args.world_size > 1 else None)
-    except AutohybridError as exc:
-        print(f"autohybrid calibrate: {exc}", file=sys.stderr)
-        return EXIT_NO_PLAN
-    profile.to_json(args.out)
+        profile.to_json(args.out)
+    except (AutohybridError, OSError) as exc:
+        return _fail("calibrate", exc)
     if args.json:
         print(profile.to_json(), end="")
     else:
@@ -599,18 +645,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv, extra = argv[:cut], argv[cut + 1:]
     args = parser.parse_args(argv)
     args.script_args = extra
-    if args.command == "plan":
-        return cmd_plan(args)
-    if args.command == "calibrate":
-        return cmd_calibrate(args)
-    if args.command == "inspect":
-        return cmd_inspect(args)
-    if args.command == "bench":
-        return cmd_bench(args)
-    if args.command == "train":
-        return cmd_train(args)
-    parser.print_help()
-    return 0
+    commands = {"plan": cmd_plan, "calibrate": cmd_calibrate, "inspect": cmd_inspect,
+                "bench": cmd_bench, "train": cmd_train}
+    if args.command not in commands:
+        parser.print_help()
+        return 0
+    try:
+        return commands[args.command](args)
+    except AutohybridError as exc:  # whatever a command did not catch: no traceback
+        return _fail(args.command, exc)
 
 
 if __name__ == "__main__":

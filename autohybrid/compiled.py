@@ -28,8 +28,9 @@ import torch.nn as nn
 from .ops import groups as ops_groups
 from .blame import StepFailure
 from .capture import CapturedGraph, _WithLoss, as_tuple, canonical_names, capture
+from .checks import build_optimizer
 from .cluster import Cluster
-from .errors import AutohybridError, CaptureError, RuntimeFailure
+from .errors import AutohybridError, CaptureError, InputError, RuntimeFailure
 from .plan import Constraints, NodeSharding, Plan
 from .planning import (check_plan_fits_model, make_plan, optimizer_kind,
                        refuse_split_batch_norm)
@@ -47,7 +48,9 @@ from .runtime.pipeline import PipelineRunner, merge_stages, shared_grad_groups
 from .runtime.tp_state import ShardedParameters
 from .init import replace_parameters
 from .runtime.materialize import Materializer, retarget_device
-from .runtime.precision import loss_scaler
+from .runtime.precision import loss_scaler, refuse_nonfinite_loss
+from .batch_spec import BatchSpec
+from .runtime.batch_agreement import agree_on_batch
 from .runtime.selfcheck import check_mode, make_check
 from .runtime.zero import ZeroShards
 
@@ -66,7 +69,8 @@ class CompiledModel:
         self._set_up(model, cluster, loss_fn, example_inputs, optimizer_factory, autocast,
                      grad_scaler, init_seed)
         named = self._capture_at_compile(example_targets)                    # capture
-        self.optimizer = (optimizer_factory(list(self._trained_params().values()))
+        self.optimizer = (build_optimizer(optimizer_factory,
+                                          list(self._trained_params().values()))
                           if optimizer_factory and self.materializer is None else None)
         self.plan = plan = self._plan(named, plan, constraints, global_batch)  # plan
         #: check=...: the first step against eager (its copy taken before any sharding)
@@ -131,6 +135,7 @@ class CompiledModel:
         self._layout_from: str | None = None
         self.executor: Executor | None = None
         self.found_inf = False  # the last step's gradients overflowed (fp16): it was skipped
+        self._batch_specs: dict[int, BatchSpec] = {}  # what a batch must be, per graph
         #: train_steps completed (a skipped fp16 step counts): what a checkpoint records
         self.step = 0
         record_step(0)
@@ -213,7 +218,7 @@ class CompiledModel:
 
     def _make_optimizer(self) -> None:
         """The optimizer over this rank's part (and the scheduler on it, afresh)."""
-        self.optimizer = self.optimizer_factory(self._optimizer_params())
+        self.optimizer = build_optimizer(self.optimizer_factory, self._optimizer_params())
         guard_optimizer_load(self.optimizer, self._optimizer_named())
         if self.zero is not None and self.zero.stage < 3:
             self.optimizer.register_step_post_hook(lambda *_: self.zero.gather_params())
@@ -401,6 +406,7 @@ class CompiledModel:
         ops_groups.restore(self._groups)
         inputs = self._inputs(inputs, "inputs", len(self.example_inputs))
         targets = self._inputs(targets, "targets", None)
+        self._check_batch(self._train, (*inputs, *targets), local)
         if self._train is None:
             if not targets and self.loss_fn is not None:
                 raise AutohybridError("train_step needs targets when a loss_fn is given")
@@ -435,11 +441,27 @@ class CompiledModel:
             if self._check is not None and not self._check.done:
                 return self._checked_step(inputs, targets, local, max_grad_norm)
             loss = self.forward_backward(inputs, targets, local=local)
+            refuse_nonfinite_loss(loss, self.found_inf, self.step)
             return self._step(loss, max_grad_norm)
         except AutohybridError:
             raise
         except Exception as exc:  # torch's: name the node, its module and what to do
             raise StepFailure.of(exc, "train_step", self.plan) from exc
+
+    def _check_batch(self, cap: CapturedGraph | None, batch: tuple, local: bool) -> None:
+        """The batch fits the graph `cap` (batch_spec.py; None: not captured yet) and,
+        unless `local`, every rank passed the same one (runtime/batch_agreement.py)."""
+        problem = None
+        if cap is not None:
+            spec = self._batch_specs.get(id(cap))
+            if spec is None:
+                spec = self._batch_specs[id(cap)] = BatchSpec.of(cap)
+            problem = spec.problem(batch)
+        if local:
+            if problem:
+                raise InputError(problem)
+            return
+        agree_on_batch(batch, problem, self.step, self.device)
 
     def _step(self, loss: torch.Tensor, max_grad_norm: float | None) -> torch.Tensor:
         if not self.found_inf:
@@ -557,6 +579,7 @@ class CompiledModel:
         kind = self._forward_kind()
         program = self.programs.get(kind) or self._rewrite(kind, cap)
         tensors = self._inputs(inputs, "inputs", len(self.example_inputs))
+        self._check_batch(cap, tensors, local=False)
         try:
             with torch.no_grad():
                 return self.executor.forward(program.runnable, tensors, self._runner(kind))

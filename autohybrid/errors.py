@@ -35,6 +35,22 @@ class NotExecutableError(PlanError):
     """A plan or constraint asks for a feature the runtime cannot execute yet."""
 
 
+class InputError(AutohybridError, ValueError):
+    """A batch given to `train_step` or `compiled(...)` does not fit what was compiled (its
+    count, dtype, shape, index range), or ranks that share the global batch pass different
+    ones; raised before anything runs on it."""
+
+
+class UserFunctionError(AutohybridError):
+    """A function the user gave (optimizer factory, loss_fn, MODEL factory) raised or
+    returned something it must not; the message names the function."""
+
+
+class UsageError(AutohybridError, ValueError):
+    """A command-line argument is invalid (an output path, a plan for another run, code a
+    plan would run): `autohybrid` exits 2 with the message, before doing any work."""
+
+
 class RuntimeFailure(AutohybridError):
     """Something failed while running: a rank raised, ranks disagree, or a timeout hit."""
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -183,6 +185,9 @@ class Plan:
     shardings: tuple[NodeSharding, ...] = ()
     calibration_hash: str | None = None
     model_ref: str | None = None
+    #: hash of the model's parameter names and shapes (`params_hash(model)`): compared
+    #: with a model before it is captured or any process starts (None: not recorded)
+    params_hash: str | None = None
     #: the passes ran on the graph this plan names (one rank, fake process groups) and
     #: accepted it, and the runtime has every feature it uses; else why not
     executable: bool = True
@@ -382,6 +387,8 @@ def _validate(plan: Plan) -> None:
         raise PlanError(f"plan.zero must be 0..3, got {plan.zero!r}")
     _check_zero_algorithm("plan", plan.zero, plan.collective_algorithm)
     _check_collective_matmul(plan)
+    _check_sizes(plan)
+    _check_shardings(plan)
     for name in ("global_batch", "microbatch_size", "num_microbatches", "virtual_stages"):
         value = getattr(plan, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -416,6 +423,40 @@ def _check_placement(plan: Plan) -> None:
         _VALID_PLACEMENTS[(id(placement), world)] = placement
 
 
+def _check_sizes(plan: Plan) -> None:
+    """bucket_mb > 0 and gather_min_mb ≥ 0, finite: a negative bucket size would make
+    every gradient its own bucket, a negative threshold no layer share a gather."""
+    for name, low, strict in (("bucket_mb", 0.0, True), ("gather_min_mb", 0.0, False)):
+        value = getattr(plan, name)
+        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+              and math.isfinite(value) and (value > low if strict else value >= low))
+        if not ok:
+            bound = "> 0" if strict else "≥ 0"
+            raise PlanError(f"plan.{name} must be a finite number {bound}, got {value!r}: "
+                            "the file was edited; make the plan again (ah.plan or "
+                            "`autohybrid plan --out`), or pin it with Constraints(bucket_mb=...)")
+
+
+_PLACEMENT = re.compile(r"replicate|partial|shard\((0|[1-9][0-9]*)\)")
+
+
+def _check_shardings(plan: Plan) -> None:
+    """Each NodeSharding well formed, once per node, and only on a tp axis (the graph's
+    names are checked against the model in planning.check_plan_fits_model)."""
+    if plan.shardings and plan.mesh.tp == 1:
+        raise PlanError(f"plan.shardings lists {len(plan.shardings)} tp placements but the "
+                        f"mesh {plan.mesh.describe()} has no tp axis: the file was edited; "
+                        "make the plan again (or pin tp with Constraints(tp=...))")
+    seen: set[str] = set()
+    for s in plan.shardings:
+        if not isinstance(s.placement, str) or not _PLACEMENT.fullmatch(s.placement):
+            raise PlanError(f"plan.shardings: node {s.node!r} has placement {s.placement!r}; "
+                            "a placement is 'replicate', 'partial' or 'shard(d)'")
+        if s.node in seen:
+            raise PlanError(f"plan.shardings lists node {s.node!r} twice")
+        seen.add(s.node)
+
+
 def _check_collective_matmul(plan: Plan) -> None:
     chunked = plan.collective_matmul_layers
     if plan.collective_matmul and not (plan.mesh.sp and plan.mesh.tp > 1):
@@ -433,6 +474,11 @@ def _check_collective_matmul(plan: Plan) -> None:
 
 
 # ---------------------------------------------------------------------- JSON helpers
+#: fields added since FORMAT_VERSION 1 was first written: a plan file without them reads
+#: as their default
+_ADDED_FIELDS = {"Plan": ("params_hash",)}
+
+
 def _to_jsonable(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
         return {f.name: _to_jsonable(getattr(obj, f.name)) for f in fields(obj)}
@@ -451,6 +497,8 @@ def _from_jsonable(cls: type, data: Any, path: str) -> Any:
         raise PlanError(f"unknown field {path}.{unknown[0]} (known: {', '.join(sorted(known))})")
     kwargs = {}
     for f in fields(cls):
+        if f.name not in data and f.name in _ADDED_FIELDS.get(cls.__name__, ()):
+            continue  # a plan written before the field existed: its default
         if f.name not in data:  # to_json writes every field: a missing one is an edit gone wrong
             raise PlanError(f"missing field {path}.{f.name}")
         kwargs[f.name] = _convert(hints[f.name], data[f.name], f"{path}.{f.name}")

@@ -13,7 +13,10 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+import dataclasses
+
 from .capture import CapturedGraph, model_hashes
+from .checks import check_global_batch, check_plan_world_size, params_hash
 from .cluster import Cluster
 from .errors import AutohybridError, NotExecutableError, PlanError
 from .features import unsupported
@@ -90,6 +93,7 @@ def make_plan(named: CapturedGraph, train: CapturedGraph | None, model: nn.Modul
     """
     if constraints is not None and not isinstance(constraints, Constraints):
         raise PlanError(f"constraints must be ah.Constraints, got {type(constraints).__name__}")
+    check_global_batch(global_batch)
     profile_ = calibration
     if profile_ is not None:
         cluster = profile_.apply(cluster)
@@ -101,17 +105,16 @@ def make_plan(named: CapturedGraph, train: CapturedGraph | None, model: nn.Modul
         width = torch.empty((), dtype=costed.autocast).element_size()
     request = PlanRequest(
         model_hash=named.hash,
-        global_batch=int(global_batch or _batch_size(example_inputs)),
+        global_batch=global_batch if global_batch is not None else _batch_size(example_inputs),
         seq=_seq_len(example_inputs), dtype=dtype_name(dtype, model), graph_dtype_bytes=width,
         optimizer=optimizer, constraints=constraints or Constraints(), model_ref=model_ref,
         has_batch_norm=bool(training_batch_norms(costed.gm)),
         pp_blockers=tuple(pipeline_blockers(costed.gm)),
         calibration_hash=profile_.hash() if profile_ is not None else None)
-    if request.global_batch < 1:
-        raise PlanError(f"global_batch must be a positive integer, got {global_batch!r}")
     if trial is None:
         trial = PassTrial(costed, rank=0, example_inputs=tuple(example_inputs))
-    return search(profile, cluster, request, unsupported, executable_only, trial)
+    plan = search(profile, cluster, request, unsupported, executable_only, trial)
+    return dataclasses.replace(plan, params_hash=params_hash(model))
 
 
 def refuse_split_batch_norm(plan: Plan, gm: Any) -> None:
@@ -123,6 +126,18 @@ def refuse_split_batch_norm(plan: Plan, gm: Any) -> None:
             "microbatches, but the model has BatchNorm in training mode: its statistics "
             "would then cover one microbatch, not the global batch as in eager. Use one "
             "microbatch (Constraints(num_microbatches=1))")
+
+
+def _check_sharded_names(plan: Plan, graph: CapturedGraph) -> None:
+    """Every node and parameter the plan places on the tp axis is one of the graph's: a
+    name the graph lacks (an edited or foreign plan) would be ignored by the passes."""
+    known = {n.name for n in graph.gm.graph.nodes} | set(graph.param_fqns) \
+        | set(graph.canonical.values())
+    unknown = [s.node for s in plan.shardings if s.node not in known]
+    if unknown:
+        raise PlanError(f"plan.shardings names {len(unknown)} node(s) or parameter(s) this "
+                        f"model's graph does not have, first {unknown[0]!r}: the file was "
+                        "edited or belongs to another model; make the plan again")
 
 
 def check_plan_fits_model(plan: Plan, graph: CapturedGraph, cluster: Cluster,
@@ -144,10 +159,9 @@ def check_plan_fits_model(plan: Plan, graph: CapturedGraph, cluster: Cluster,
         raise PlanError(f"the plan was made for another model (graph hash {plan.model_hash}); "
                         f"this model's {mine}. Make a new plan for it (plan=None searches "
                         f"one){advice}")
-    if plan.world_size != cluster.world_size:
-        raise PlanError(f"the plan's mesh {plan.mesh.describe()} has {plan.world_size} ranks "
-                        f"but the cluster has {cluster.world_size} (degrees must multiply to the "
-                        "world size)")
+    check_plan_world_size(plan, cluster.world_size)
+    if plan.model_hash == graph.hash:
+        _check_sharded_names(plan, graph)
     problem = schedule_problem(plan.schedule, plan.mesh.pp, plan.virtual_stages,
                                plan.num_microbatches)
     if problem:

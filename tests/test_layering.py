@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "cluster", "features")),
     ("models", ("models",)),
     ("capture", ("capture", "capture_cache", "capture_blocks", "capture_probe",
-                 "capture_splice", "capture_wire")),
+                 "capture_splice", "capture_wire", "batch_spec")),
     ("cost", ("cost",)),
     ("search", ("search",)),
     ("codegen", ("codegen",)),
@@ -30,12 +30,12 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("program", ("program",)),
     ("passes", ("passes",)),
     ("rewrite", ("rewrite", "trial")),
-    ("planning", ("planning",)),
+    ("planning", ("planning", "checks")),
     ("report", ("report",)),
     ("runtime", ("runtime",)),
     ("compiled", ("compiled", "calibrate")),
     ("api", ("api",)),
-    ("entry points", ("", "bench", "baselines", "cli")),
+    ("entry points", ("", "bench", "baselines", "cli", "cli_checks")),
 ]
 
 

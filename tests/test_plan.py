@@ -10,6 +10,7 @@ torch.distributed.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import re
@@ -22,6 +23,7 @@ import autohybrid as ah
 from autohybrid import models, planning
 from autohybrid.planning import make_plan
 from autohybrid.capture import capture
+from autohybrid.checks import params_hash
 from autohybrid.search.space import profile
 from autohybrid.cost.memory import MEMORY_HEADROOM, training_state, usable_bytes
 from autohybrid.plan import FORMAT_VERSION, Mesh, Plan, RankPlacement
@@ -441,9 +443,16 @@ def test_plan_for_another_model_is_refused_naming_both_hashes(gpt_tiny) -> None:
     plan = ah.plan(other, ah.Cluster.local(1), inputs)
     mine = capture(model, inputs, with_loss=False).hash
     assert plan.model_hash != mine
+    # refused before capture, by the parameter names and shapes the plan records
     with pytest.raises(ah.PlanError) as err:
         ah.compile(model, ah.Cluster.local(1), inputs, loss_fn=_loss, example_targets=targets,
                    plan=plan)
+    assert plan.model_hash in str(err.value) and plan.params_hash in str(err.value)
+    assert params_hash(model) in str(err.value)
+    # a plan without them (written before they were recorded): by the graph hashes
+    with pytest.raises(ah.PlanError) as err:
+        ah.compile(model, ah.Cluster.local(1), inputs, loss_fn=_loss, example_targets=targets,
+                   plan=dataclasses.replace(plan, params_hash=None))
     assert plan.model_hash in str(err.value) and mine in str(err.value)
 
 

@@ -5,7 +5,8 @@ The CLI takes them, `ah.bench` takes them, and a Plan records the one it was mad
 
     gpt-tiny                                  a zoo preset (`autohybrid plan --list-models`)
     gpt3-1.3b?layers=2&seq=128                a preset with overrides
-    path/to/file.py:factory                   a factory in a Python file
+    path/to/file.py:factory                   a factory in a Python file (code: building
+                                              the model runs the file)
     path/to/file.py:factory?hidden=64&batch=4 ... called with hidden=64
 
 After `?`, `&`-separated `key=value` pairs: `batch` (example batch, default 8) and `seq`
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ModelError
+from ..errors import ModelError, UserFunctionError
 from .presets import example_batch, get_preset
 
 #: keys that shape the example inputs rather than the model
@@ -71,6 +72,11 @@ class ModelSpec:
         return f"{self.source}?{query}" if query else self.source
 
     def with_inputs(self, batch: int | None = None, seq: int | None = None) -> "ModelSpec":
+        for key, value in (("batch", batch), ("seq", seq)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or value < 1):
+                raise ModelError(f"MODEL {self.ref!r}: {key} must be a positive integer, "
+                                 f"got {value!r}")
         return ModelSpec(self.source, dict(self.kwargs), batch or self.batch,
                          seq if seq is not None else self.seq)
 
@@ -86,7 +92,14 @@ class ModelSpec:
         if self.seq is not None and longest is not None and self.seq > longest:
             raise ModelError(f"MODEL {self.ref!r}: seq={self.seq} (the inputs' length) is "
                              f"longer than the model's {longest} positions")
-        model = config.build(device=device, **self.kwargs)
+        try:
+            model = config.build(device=device, **self.kwargs)
+        except ModelError:
+            raise
+        except (TypeError, ValueError) as exc:  # an unknown argument, text for a number
+            raise ModelError(f"MODEL {self.ref!r}: {_argument_problem(exc, self.kwargs)}; "
+                             f"the arguments of {self.source!r} are "
+                             f"{', '.join(sorted(config.kwargs))}") from exc
         inputs, targets = example_batch(model, self.batch, seq=self.seq, device=_meta(model))
         return Workload(self.ref, model, inputs, targets, zoo_loss, zoo=True, spec=self)
 
@@ -96,7 +109,14 @@ class ModelSpec:
         kwargs = dict(self.kwargs)
         if "device" in inspect.signature(factory).parameters:
             kwargs.setdefault("device", device)
-        result = factory(**kwargs)
+        try:
+            result = factory(**kwargs)
+        except ModelError:
+            raise
+        except Exception as exc:
+            raise UserFunctionError(f"MODEL {self.ref!r}: the factory {name!r} raised "
+                                    f"{type(exc).__name__}: {exc}; fix it or its arguments "
+                                    f"({', '.join(sorted(kwargs)) or 'none given'})") from exc
         if isinstance(result, nn.Module):
             result = (result,)
         if not isinstance(result, tuple) or not 1 <= len(result) <= 4 \
@@ -173,8 +193,21 @@ def parse(text: str) -> ModelSpec:
     return spec
 
 
+def _argument_problem(exc: Exception, kwargs: dict[str, Any]) -> str:
+    """Which MODEL argument a model constructor's TypeError / ValueError is about."""
+    text = str(exc)
+    texts = [k for k, v in kwargs.items() if isinstance(v, str)]
+    if "unexpected keyword argument" in text:
+        return f"unknown argument ({text.split('argument', 1)[1].strip()})"
+    if texts and isinstance(exc, TypeError):
+        return (f"argument {texts[0]}={kwargs[texts[0]]!r} must be a number "
+                f"({type(exc).__name__}: {text})")
+    return f"{type(exc).__name__}: {text}"
+
+
 def load_factory(path: str, name: str) -> Callable:
-    """The function `name` of the Python file `path`."""
+    """The function `name` of the Python file `path` (running the file: a MODEL naming a
+    file is code, as a plan recording one is: `autohybrid inspect` asks first)."""
     module_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
     if module_spec is None or module_spec.loader is None or not Path(path).is_file():
         raise ModelError(f"cannot load {path!r}: no such Python file")

@@ -13,6 +13,11 @@ after the reduction; a step whose gradients hold an inf or NaN on any rank is sk
 every rank and the scale backs off; `growth_interval` clean steps in a row grow it),
 decided for all ranks at once, so it matches an eager loop with a GradScaler of the same
 settings step for step.
+
+Without loss scaling a non-finite loss is refused (`refuse_nonfinite_loss`): the step
+raises NumericsError naming it, before the optimizer steps, so the parameters stay those
+of the previous step; with fp16 loss scaling such a step is skipped instead (its
+gradients overflow too: `found_inf`), as GradScaler skips it.
 """
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from ..errors import AutohybridError, NotExecutableError
+from ..errors import AutohybridError, NotExecutableError, NumericsError
 
 COMPUTE_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -68,6 +73,19 @@ class LossScaler:
         if self.growth_tracker == self.growth_interval:
             self.scale *= self.growth_factor
             self.growth_tracker = 0
+
+
+def refuse_nonfinite_loss(loss: torch.Tensor, skipped: bool, step: int) -> None:
+    """NumericsError when the loss of train_step `step` (counted from 0) is inf or NaN
+    and loss scaling is not skipping the step (`skipped`); the same on every rank (the
+    loss is the global batch's)."""
+    if skipped or bool(torch.isfinite(loss.detach()).all()):
+        return
+    raise NumericsError(
+        f"train_step {step}: the loss is {float(loss)} (not finite); the optimizer did not "
+        f"step, so the parameters are those after step {step - 1}. Look for inf or NaN in "
+        "the batch, lower the learning rate, clip gradients (max_grad_norm=...), or, under "
+        "float16, let loss scaling skip such steps (grad_scaler)")
 
 
 def any_nonfinite(grads: Iterable[torch.Tensor | None]) -> bool:

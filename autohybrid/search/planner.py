@@ -146,9 +146,9 @@ def search(profile: ModelProfile, cluster, request: PlanRequest,
             common = sorted(set.intersection(*(set(r.split("; ")) for r in refused)))
             raise NotExecutableError("the constraints ask for features the runtime cannot "
                                      "execute yet: " + "; ".join(common or sorted(set(refused))))
-        raise PlanError("no candidate plan satisfies the constraints "
-                        f"{request.constraints.pinned()} on {cluster.describe()}: "
-                        + ("; ".join(dict.fromkeys(skipped)) or "empty search space"))
+        why = "; ".join(dict.fromkeys(skipped)) or "the search space is empty"
+        raise PlanError(f"no candidate plan: {why} (the constraints "
+                        f"{request.constraints.pinned()}, on {cluster.describe()})")
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         raise NoPlanFitsError(_no_fit_message(candidates, cluster, skipped))
