@@ -40,19 +40,19 @@ def _one(t: torch.Tensor) -> torch.Tensor:
     size = flat.element_size()
     if size not in _BITS:  # complex128: as pairs of int64
         flat, size = flat.view(torch.float64), 8
-    bits = flat.view(_BITS[size]).to(torch.int64).cpu()
-    rows = t.shape[0] if t.dim() >= 1 and t.shape[0] > 0 else 1
+    bits = flat.view(_BITS[size]).to(torch.int64)  # on the batch's device: only the
+    rows = t.shape[0] if t.dim() >= 1 and t.shape[0] > 0 else 1  # sums leave it
     grid = bits.reshape(rows, -1) if bits.numel() else bits.reshape(1, 0)
     per_row = grid.sum(1)
     per_col = grid.sum(0)
     shape = 0
     for d in t.shape:
         shape = (shape * 1000003 + int(d)) % (1 << 61)
-    row_w = torch.arange(1, per_row.numel() + 1, dtype=torch.int64)
-    col_w = torch.arange(per_col.numel(), dtype=torch.int64) % 1021 + 1
-    return torch.stack([torch.tensor(t.dim()), torch.tensor(shape), per_row.sum(),
-                        (per_row * row_w).sum(), (per_col * col_w).sum(),
-                        torch.tensor(t.element_size()), torch.tensor(int(t.is_floating_point()))])
+    row_w = torch.arange(1, per_row.numel() + 1, dtype=torch.int64, device=bits.device)
+    col_w = torch.arange(per_col.numel(), dtype=torch.int64, device=bits.device) % 1021 + 1
+    sums = torch.stack([per_row.sum(), (per_row * row_w).sum(), (per_col * col_w).sum()]).cpu()
+    return torch.cat([torch.tensor([t.dim(), shape]), sums,
+                      torch.tensor([t.element_size(), int(t.is_floating_point())])])
 
 
 def agree_on_batch(tensors: Sequence[torch.Tensor], problem: str | None, step: int,
