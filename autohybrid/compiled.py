@@ -27,7 +27,7 @@ import torch.nn as nn
 
 from .ops import groups as ops_groups
 from .blame import StepFailure
-from .capture import CapturedGraph, _WithLoss, as_tuple, canonical_names, capture
+from .capture import CapturedGraph, _WithLoss, as_tuple, capture
 from .checks import build_optimizer
 from .cluster import Cluster
 from .errors import AutohybridError, CaptureError, InputError, RuntimeFailure
@@ -36,6 +36,7 @@ from .planning import (check_plan_fits_model, make_plan, optimizer_kind,
                        refuse_split_batch_norm)
 from .program import RankProgram
 from .rewrite import rewrite
+from .runtime import gathered
 from .runtime.executor import Executor, check_same_plan
 from .runtime.fit import FitResult, build_scheduler, fit
 from .runtime.failures import record_step
@@ -44,7 +45,7 @@ from .runtime.safetensors_io import export_safetensors, import_safetensors
 from .runtime.checkpoint_state import (guard_optimizer_load, hook_whole_loads, load_compiled,
                                        save_compiled)
 from .runtime.groups import build_mesh, ensure_initialized, from_rank_zero
-from .runtime.pipeline import PipelineRunner, merge_stages, shared_grad_groups
+from .runtime.pipeline import PipelineRunner, shared_grad_groups
 from .runtime.tp_state import ShardedParameters
 from .init import replace_parameters
 from .runtime.materialize import Materializer, retarget_device
@@ -492,8 +493,8 @@ class CompiledModel:
                                              self.plan.num_microbatches)
         xs, ys = self._inputs(inputs, "inputs", None), self._inputs(targets, "targets", None)
         if self._check.per_stage:  # no rank gathers more than its own stages
-            self._check.verify(loss, self._train, self._stage_full(grads=False),
-                               self._stage_full(grads=True), list(self._trained_names()),
+            self._check.verify(loss, self._train, gathered.stage_full(self, grads=False),
+                               gathered.stage_full(self, grads=True), list(gathered.trained_names(self)),
                                (xs, ys), rng)
             return self._step(loss, max_grad_norm)
 
@@ -510,51 +511,9 @@ class CompiledModel:
         return self.scaler.scale if self.scaler is not None else None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip gradients by their global norm (across all shards); returns the norm."""
-        params = self._optimizer_params()
-        grads = [p.grad for p in params if p.grad is not None]
-        distributed = (self.sharded is not None or self._owned is not None
-                       or self.zero is not None)
-        if not grads and not distributed:
-            return torch.zeros(())
-        if distributed:  # every rank joins the norm's collectives, with or without grads
-            if norm_type != 2.0:
-                raise AutohybridError(f"clip_grad_norm_ with tensor or pipeline parallelism "
-                                      f"or ZeRO supports the 2-norm only, got "
-                                      f"norm_type={norm_type}")
-            total = self._squared_grad_norm().sqrt()
-            total = total.to(grads[0].dtype) if grads else total
-        else:
-            norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads])
-            total = torch.linalg.vector_norm(norms, norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.dtype))
-        return total
-
-    def _squared_grad_norm(self) -> torch.Tensor:
-        """Σ g² over the whole model: dp shards (ZeRO) summed over the dp group, tp shards
-        over the tp group, stages over the pp group, a parameter that stages on k pp ranks
-        hold (tied weights) counted once."""
-        if self.zero is not None:
-            squares = self.zero.squared_grad_norms()
-        else:
-            squares = {name: p.grad.detach().double().pow(2).sum()
-                       for name, p in self._trained_params().items() if p.grad is not None}
-        weights: dict[str, float] = {}
-        runner = self._runners.get("train")
-        if runner is not None:
-            ranks = self.plan.stage_ranks()
-            for name, stages in runner.split.shared_params.items():
-                weights[name] = 1.0 / len({ranks[s] for s in stages})
-        if self.sharded is not None:
-            total = self.sharded.squared_norm(squares, weights)
-        else:
-            total = sum((weights.get(name, 1.0) * sq for name, sq in squares.items()),
-                        torch.zeros((), dtype=torch.float64))
-        if self._owned is not None and self.mesh is not None:
-            dist.all_reduce(total, group=self.mesh.get_group("pp"))
-        return total
+        """Clip gradients by their global norm (across all shards); returns the norm
+        (runtime/gathered.py; every rank calls it)."""
+        return gathered.clip_grad_norm(self, max_norm, norm_type)
 
     def local_slice(self, batch: Any) -> Any:
         """This rank's data-parallel shard of a global batch (tensor or tuple of tensors)."""
@@ -594,39 +553,14 @@ class CompiledModel:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer, whole, as `model.state_dict()` names them (split
-        parameters gathered from the tp group, ZeRO shards from the dp group: every rank
-        must call it)."""
-        local = self._zero_locals(grads=False)
-        if self.sharded is not None:
-            state = self.sharded.full_state(self.model, local)
-        else:
-            canonical = canonical_names(self.model)
-            state = {k: (local[canonical[k]].clone() if canonical.get(k) in local
-                         else v.detach().clone()) for k, v in self.model.state_dict().items()}
-        return self._merged(state)
+        parameters gathered from the tp group, ZeRO shards from the dp group, stages from
+        the pp group: every rank must call it; runtime/gathered.py)."""
+        return gathered.full_state_dict(self)
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """The gradients of the last step, whole, keyed like `model.named_parameters()`
-        (split ones gathered from the tp group, ZeRO shards from the dp group: every rank
-        must call it)."""
-        local = self._zero_locals(grads=True)
-        if self.sharded is not None:
-            all_grads = self.sharded.full_grads(self.model, local)
-            grads = {n: all_grads[n] for n, _ in self.model.named_parameters()}
-        else:
-            canonical = canonical_names(self.model)
-            grads = {}
-            for n, p in self.model.named_parameters():
-                grad = local[canonical[n]] if canonical[n] in local else p.grad
-                grads[n] = None if grad is None else grad.detach().clone()
-        return self._merged(grads)
-
-    def _merged(self, local: dict[str, Any]) -> dict[str, Any]:
-        """`local` with every parameter entry taken from a pp rank whose stages own it."""
-        if self.plan.mesh.pp == 1 or self.mesh is None:
-            return local
-        return merge_stages(local, canonical_names(self.model), self._owned,
-                            self.mesh.get_group("pp"), self.plan.mesh.pp, self.device)
+        (every rank must call it; runtime/gathered.py)."""
+        return gathered.full_grads(self)
 
     def save(self, directory: Any, *, extra: dict | None = None,
              keep_last: int | None = None) -> Any:
@@ -662,31 +596,6 @@ class CompiledModel:
         this rank's shards, each rank reading only its slices; every rank calls it."""
         import_safetensors(self, path, strict)
 
-    def _stage_full(self, grads: bool) -> dict[str, Any]:
-        """The parameters (or gradients) of this rank's pipeline stages, whole: tp shards
-        gathered from the tp group, ZeRO shards from the dp group, never another stage's
-        (every rank of the pp coordinate must call it)."""
-        zero = self._zero_locals(grads)
-        out: dict[str, Any] = {}
-        for name, p in self._trained_params().items():
-            local = zero[name] if name in zero else (p.grad if grads else p)
-            if local is not None and self.sharded is not None and name in self.sharded.specs:
-                local = self.sharded.full(name, local)
-            out[name] = None if local is None else (
-                local.detach().clone().requires_grad_(p.requires_grad and not grads))
-        return out
-
-    def _trained_names(self) -> dict[str, None]:
-        """Every parameter's canonical name, in `named_parameters` order."""
-        return dict.fromkeys(canonical_names(self.model)[n]
-                             for n, _ in self.model.named_parameters())
-
-    def _zero_locals(self, grads: bool) -> dict[str, torch.Tensor | None]:
-        """This rank's whole (tp-local) parameters or gradients from the ZeRO shards."""
-        if self.zero is None:
-            return {}
-        get = self.zero.full_grad if grads else self.zero.full_value
-        return {name: get(name) for name in self.zero.params}
 
     @property
     def kernels(self) -> list:

@@ -26,7 +26,6 @@ from _limits import guard
 from _pool import launch as pool_launch
 from _equiv import (Failures, eager_step, grads_of, lm_loss, report, state_of, zoo_batches,
                     zoo_model)
-from autohybrid.compiled import CompiledModel
 from autohybrid.ops import tensor_parallel as tp_ops
 from autohybrid.runtime.selfcheck import (FirstStepCheck, check_mode, has_random_ops,
                                           requested_check, whole_check_bytes)
@@ -134,13 +133,14 @@ def test_dropout_under_a_batch_split_is_refused_with_the_reason():
 # ============================================================================ per stage
 def _count_whole_gathers(calls: list[str]) -> None:
     """Record every whole-model gather (full_grads, or any merge of the stages)."""
+    from autohybrid.runtime import gathered
     for name in ("full_grads", "full_state_dict", "_merged"):
-        original = getattr(CompiledModel, name)
+        original = getattr(gathered, name)
 
-        def counted(self, *args, _name=name, _original=original, **kwargs):
+        def counted(c, *args, _name=name, _original=original, **kwargs):
             calls.append(_name)
-            return _original(self, *args, **kwargs)
-        setattr(CompiledModel, name, counted)
+            return _original(c, *args, **kwargs)
+        setattr(gathered, name, counted)
 
 
 def _exchange_values(fails: Failures, rank: int) -> None:

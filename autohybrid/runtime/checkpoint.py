@@ -13,14 +13,15 @@ On disk, under the save directory:
     .step-00000006.partial/   a save in progress (or one that crashed): never loaded
 
 Its collectives run on a group of their own, bounded by AUTOHYBRID_CHECKPOINT_TIMEOUT_S
-(ranks write and hash files of different sizes). A save writes into the `.partial` directory and rank 0 renames it to `step-N` only after
-every rank's files are written and the manifest (JSON: the Plan, the graph hash, the
-versions, every tensor's shape and dtype, the non-tensor state, each file's size and
-SHA-256) is on disk; so a crash leaves the previous checkpoint the latest. `keep_last`
-prunes older ones. A load checks every file against the manifest first (the ranks share
-the files) and refuses a missing, truncated or altered one by name; DCP's metadata file
-(a pickle) is read with an unpickler that admits only DCP's metadata classes, tensors are
-read with `torch.load(weights_only=True)`, and no pickled object is ever loaded.
+(ranks write and hash files of different sizes). A save writes into the `.partial`
+directory and rank 0 renames it to `step-N` only after every rank's files are written
+and the manifest (JSON: the Plan, the graph hash, the versions, every tensor's shape and
+dtype, the non-tensor state, each file's size and SHA-256) is on disk; so a crash leaves
+the previous checkpoint the latest. `keep_last` prunes older ones. A load checks every
+file against the manifest first (the ranks share the files) and refuses a missing,
+truncated or altered one by name; DCP's metadata file (a pickle) is read with an
+unpickler that admits only DCP's metadata classes, tensors are read with
+`torch.load(weights_only=True)`, and no pickled object is ever loaded.
 """
 from __future__ import annotations
 

@@ -23,6 +23,10 @@ What torch 2.13 (CPU build, gloo) records for communication, seen by experiment:
   issuing thread just has no events until the collective completes. No
   `record_param_comms` or `ProcessGroup*` events appear on this build.
 
+The check that every rank passed the same batch (runtime/batch_agreement.py: one small
+all-reduce at the start of each step) runs inside an `ah::batch_agreement` range and its
+interval is named "batch_agreement".
+
 So a communication interval is a `c10d::` issue matched to its `gloo:` event (in issue
 order, a collective with a collective, a send with a send), from the issue's start to the
 transfer's end; an unmatched one stands alone. The bucket all-reduces the dp reducer
@@ -57,6 +61,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from ..errors import AutohybridError
 from ..report.timeline import Interval, Timeline, gather, merge, subtract, union
+from .batch_agreement import AGREEMENT_RANGE
 
 STEP_PREFIX = "ah::step"
 _P2P = {"send", "recv"}
@@ -164,8 +169,11 @@ def timeline_from_events(events: Sequence[Any], rank: int, trace_start_s: float 
                 s, t = max(a, pa), min(b, pb)
                 if t > s:
                     out.append(Interval("compute", phase, to_s(s), to_s(t), k, phase))
+        checks = [(e.start, e.end) for e in on_main if e.name == AGREEMENT_RANGE and inside(e)]
         for start, end, name, extra in mine:
             end = min(end, hi)
+            if any(a <= start <= b for a, b in checks):
+                name = "batch_agreement"  # every rank passed the same batch: no gradients
             out.append(Interval("communication", name, to_s(start), to_s(max(start, end)), k,
                                 _phase_at(phases, start), extra))
     out.sort(key=lambda iv: (iv.step, iv.start_s, iv.kind != "step"))
