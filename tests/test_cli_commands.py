@@ -154,15 +154,7 @@ def test_train_model_matches_eager(capsys, tmp_path) -> None:
     assert data["ranks_agree"] and len(data["losses"]) == steps and data["checked"]
     assert data["plan"]["mesh"]["dp"] == 2
     # the same model, batches and optimizer in eager PyTorch
-    work = spec.parse(ref).build(device="cpu", seed=0)
-    optimizer = torch.optim.SGD(work.model.parameters(), lr=lr)
-    eager = []
-    for inputs, targets in work.batches(steps, seed=1):
-        optimizer.zero_grad()
-        loss = work.loss_fn(work.model(*inputs), targets)
-        loss.backward()
-        optimizer.step()
-        eager.append(loss.item())
+    work, eager = _eager_sgd(ref, steps, lr)
     assert data["losses"] == pytest.approx(eager, rel=1e-5, abs=1e-6)
     state = torch.load(saved)
     for name, value in work.model.state_dict().items():
@@ -170,7 +162,12 @@ def test_train_model_matches_eager(capsys, tmp_path) -> None:
 
 
 def _eager_sgd_losses(ref: str, steps: int, lr: float) -> list[float]:
-    """The same model, batches and SGD as `train` uses, in eager PyTorch."""
+    """The same model, batches and SGD as `train` uses, in eager PyTorch: the losses."""
+    return _eager_sgd(ref, steps, lr)[1]
+
+
+def _eager_sgd(ref: str, steps: int, lr: float):
+    """(the trained model's work, its losses) for the model, batches and SGD `train` uses."""
     work = spec.parse(ref).build(device="cpu", seed=0)
     optimizer = torch.optim.SGD(work.model.parameters(), lr=lr)
     eager = []
@@ -180,7 +177,7 @@ def _eager_sgd_losses(ref: str, steps: int, lr: float) -> list[float]:
         loss.backward()
         optimizer.step()
         eager.append(loss.item())
-    return eager
+    return work, eager
 
 
 @pytest.mark.procs

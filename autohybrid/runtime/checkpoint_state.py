@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..capture import canonical_names
 from ..errors import CheckpointError
 from ..ops.zero import shard_of
 from ..program import ShardSpec
@@ -357,10 +358,7 @@ def load_whole_state(c: Any, state_dict: dict[str, torch.Tensor]) -> None:
     receive what `model.load_state_dict` gives the model; no collective (ranks may call it
     at different times). Keys missing or of another shape are left to torch's own load
     to report."""
-    aliases: dict[str, list[str]] = {}
-    first: dict[int, str] = {}
-    for key, p in c.model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(first.setdefault(id(p), key), []).append(key)
+    aliases = parameter_aliases(c.model)
     with torch.no_grad():
         for name, entry in param_entries(c.model, c.sharded, c.zero, c._owned).items():
             full = next((state_dict[k] for k in aliases.get(name, [name]) if k in state_dict), None)
@@ -373,6 +371,14 @@ def load_whole_state(c: Any, state_dict: dict[str, torch.Tensor]) -> None:
                 whole = c.zero.params[name]
                 spec = c.sharded.specs.get(name) if c.sharded is not None else None
                 whole.copy_(spec.local(full.to(whole.device)) if spec is not None else full)
+
+
+def parameter_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """Each parameter's canonical (first) name → every name it has (tied ones)."""
+    aliases: dict[str, list[str]] = {}
+    for name, first in canonical_names(model).items():
+        aliases.setdefault(first, []).append(name)
+    return aliases
 
 
 def guard_optimizer_load(optimizer: torch.optim.Optimizer, named: dict[str, torch.Tensor]) -> None:

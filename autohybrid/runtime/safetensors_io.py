@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import CheckpointError
-from .checkpoint_state import param_entries
+from ..capture import canonical_names
+from .checkpoint_state import param_entries, parameter_aliases
 
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 
@@ -47,11 +48,8 @@ def export_safetensors(c: Any, directory: str | Path) -> Path:
     if (dist.get_rank() if dist.is_initialized() else 0) == 0:
         found = hf_prefix(c.model)
         prefix, hf = found if found else ("", None)
-        first: dict[int, str] = {}
-        for key, p in c.model.named_parameters(remove_duplicate=False):
-            first.setdefault(id(p), key)
-        keep = set(first.values()) | {k for k in state if k not in
-                                      dict(c.model.named_parameters(remove_duplicate=False))}
+        canonical = canonical_names(c.model)  # tied duplicates are left out, as HF does
+        keep = set(canonical.values()) | {k for k in state if k not in canonical}
         tensors = {k[len(prefix):]: v.detach().cpu().contiguous() for k, v in state.items()
                    if k in keep and k.startswith(prefix)}
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -77,10 +75,7 @@ def import_safetensors(c: Any, path: str | Path, strict: bool = True) -> None:
     for f in sorted(set(files.values())):
         with safe_open(str(f), framework="pt") as handle:
             where.update({key: f for key in handle.keys()})
-    aliases: dict[str, list[str]] = {}
-    first: dict[int, str] = {}
-    for key, p in c.model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(first.setdefault(id(p), key), []).append(key)
+    aliases = parameter_aliases(c.model)
     opened: dict[Path, Any] = {}
 
     def handle(f: Path):
