@@ -333,12 +333,15 @@ class CompiledModel:
     def _forward_kind(self) -> str:
         return f"forward_{'train' if self.model.training else 'eval'}"
 
-    def _capture(self, *args: Any, **kwargs: Any) -> CapturedGraph:
+    def _capture(self, *args: Any, collective: bool = False, **kwargs: Any) -> CapturedGraph:
         """`capture(self.model, ...)` after compile: a meta model whose parameters are
         partly materialized is captured on its meta parameters, as at compile (the
-        programs are pointed at this device when rewritten)."""
+        programs are pointed at this device when rewritten). `collective=True` where
+        every rank captures at the same point (a train_step; a forward that runs
+        collectives, under tp or pp): exported once for the job (capture_once)."""
+        take = capture_once if collective else capture
         if self.materializer is None:
-            return capture(self.model, *args, **kwargs)
+            return take(self.model, *args, **kwargs)
         current = dict(self.model.named_parameters())
         meta = {id(p): self.materializer.meta[name] for name, p in current.items()
                 if not p.is_meta}
@@ -346,7 +349,7 @@ class CompiledModel:
                 if not p.is_meta}
         replace_parameters(self.model, meta)
         try:
-            return capture(self.model, *args, **kwargs)
+            return take(self.model, *args, **kwargs)
         finally:
             replace_parameters(self.model, back)
 
@@ -356,8 +359,11 @@ class CompiledModel:
         mode = self.model.training
         if mode not in self._forward_captures:
             try:
+                # under dp alone a forward runs no collective: a rank may run it alone
+                collective = self.plan.mesh.tp > 1 or self.plan.mesh.pp > 1
                 self._forward_captures[mode] = self._capture(
-                    self.example_inputs, with_loss=False, autocast=self.autocast)
+                    self.example_inputs, with_loss=False, autocast=self.autocast,
+                    collective=collective)
             except CaptureError as exc:
                 if self._train is None:
                     raise
@@ -417,7 +423,7 @@ class CompiledModel:
             first = [self.executor.microbatches(shard(ts, what), what)[0]
                      for ts, what in ((inputs, "inputs"), (targets, "targets"))]
             self._train = self._capture(tuple(first[0]), self.loss_fn, tuple(first[1]),
-                                        autocast=self.autocast)
+                                        autocast=self.autocast, collective=True)
             self._rewrite("train", self._train)
         if len(targets) != self._train.num_targets:
             raise AutohybridError(f"targets: expected {self._train.num_targets} tensor(s), got "

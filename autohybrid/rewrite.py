@@ -35,14 +35,21 @@ NOTE_FIELDS = {
 
 
 def rewrite(captured: CapturedGraph, plan: Plan, rank: int, *, example_inputs: tuple = (),
-            snapshots: bool = False, fake_groups: bool = False) -> RankProgram:
+            snapshots: bool = False, fake_groups: bool = False,
+            skip: tuple[str, ...] = ()) -> RankProgram:
     """Rank `rank`'s program for `captured` under `plan`.
 
     `example_inputs` give the device of a graph captured under autocast (the passes'
     fake values follow autocast, as the graph runs); `snapshots=True` keeps a copy of the
     graphs after each pass (`RankProgram.snapshots`); `fake_groups=True` runs the passes
     on fake process groups (`fake_process_groups`), else on the groups bound now.
+    `skip` names passes left out (the planner's trial leaves out those that never refuse
+    a plan: trial.py `NEVER_REFUSE`); a name not in the pass table is refused.
     """
+    unknown = sorted(set(skip) - set(ORDER))
+    if unknown:
+        raise ValueError(f"rewrite(skip=...): no pass named {unknown}; the passes are "
+                         f"{', '.join(ORDER)}")
     with fake_process_groups(plan, rank) if fake_groups else nullcontext():
         kind = "train" if captured.with_loss else "forward"
         ctx = PassContext(plan=plan, rank=rank, coords=plan.mesh.coords(rank),
@@ -50,7 +57,8 @@ def rewrite(captured: CapturedGraph, plan: Plan, rank: int, *, example_inputs: t
         if captured.with_loss:
             ctx.notes["loss_output_index"] = captured.user_outputs[0]
         with captured.autocast_context(example_inputs):
-            gm = run_passes(captured.gm, ctx, passes_for(kind), known=ORDER)
+            passes = [(name, fn) for name, fn in passes_for(kind) if name not in skip]
+            gm = run_passes(captured.gm, ctx, passes, known=ORDER)
     return _program(captured, gm, ctx)
 
 

@@ -34,6 +34,11 @@ PASS_FIELDS: dict[str, tuple[str, ...]] = {
     "pipeline_split": ("pp", "num_stages", "stage_boundaries"),
     "recompute": ("recompute",),
 }
+#: Passes a trial leaves out: they never rule a plan out (fusion leaves a region it cannot
+#: lower unfused, passes/fusion.py), and on a pinned plan the trial and the rewrite that
+#: follows would otherwise run them twice (a third of a small model's rewrite time).
+#: A trial with keep=True runs every pass: its program is used (the dry run).
+NEVER_REFUSE: tuple[str, ...] = ("fusion",)
 _PLAN_FIELDS = ("shards", "pp", "dp", "tp", "sp", "num_stages", "stage_boundaries",
                 "recompute", "zero", "gather_min_mb", "collective_matmul",
                 "collective_matmul_layers", "shardings", "grad_reduce_dtype", "schedule",
@@ -95,7 +100,8 @@ class PassTrial:
         debug = os.environ.pop("AUTOHYBRID_DEBUG", None)  # no dumps of trial programs
         try:
             result = rewrite(self.graph, plan, min(self.rank, plan.world_size - 1),
-                             example_inputs=self.example_inputs, fake_groups=True)
+                             example_inputs=self.example_inputs, fake_groups=True,
+                             skip=() if self.keep else NEVER_REFUSE)
         except Exception as exc:  # noqa: BLE001 - every failure rules the plan out
             name = getattr(exc, "pass_name", None)
             reason = (str(exc).strip().splitlines() or [""])[0]

@@ -120,17 +120,21 @@ def _culprit(per_rank: list[tuple[str, str]]) -> tuple[str, str]:
     return worst[0], (f"rank {rank}: {worst[1]}" if worst[0] != "equal" else worst[1])
 
 
+def _launch_two(fn, args: tuple) -> list:
+    return ah.launch(fn, ah.Cluster.local(2), args=args, timeout_s=600)
+
+
 def sweep(names: list[str], plans: list[str], steps: int = STEPS, dtype: str = "float64",
-          log=print) -> dict:
-    """{(model, plan): (status, detail, seconds)} for every model and plan asked for."""
+          log=print, launch=_launch_two) -> dict:
+    """{(model, plan): (status, detail, seconds)} for every model and plan asked for.
+    `launch(fn, args)` runs `fn(rank, *args)` on 2 ranks (ah.launch; the tests pass
+    their warm ranks' launcher)."""
     results = {}
     for name in names:
         for plan_name in plans:
             start = time.perf_counter()
             try:
-                status, detail = _culprit(ah.launch(run_case, ah.Cluster.local(2),
-                                                    args=(name, plan_name, steps, dtype),
-                                                    timeout_s=600))
+                status, detail = _culprit(launch(run_case, (name, plan_name, steps, dtype)))
             except Exception as exc:  # noqa: BLE001 - a rank crashed or hung
                 status, detail = "failed", f"{type(exc).__name__}: {str(exc).strip()[-400:]}"
             seconds = time.perf_counter() - start

@@ -43,14 +43,24 @@ def test_two_plan_calls_give_byte_identical_json(constraints) -> None:
 @pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_cli_plan_json_is_byte_identical_across_processes() -> None:
-    outputs = []
+    procs = []
     for seed in ("1", "2"):  # string hashing differs between the two processes
         env = {**os.environ, "PYTHONHASHSEED": seed, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run([sys.executable, "-m", "autohybrid.cli", "plan", "gpt-tiny",
-                               "--cluster", "local:4", "--json"], env=env,
-                              capture_output=True, timeout=guard(120))
-        assert proc.returncode == 0, proc.stderr.decode()
-        outputs.append(proc.stdout)
+        procs.append(subprocess.Popen([sys.executable, "-m", "autohybrid.cli", "plan",
+                                       "gpt-tiny", "--cluster", "local:4", "--json"],
+                                      env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE))
+    outputs = []
+    try:
+        for proc in procs:  # side by side
+            out, err = proc.communicate(timeout=guard(120))
+            assert proc.returncode == 0, err.decode()
+            outputs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     assert outputs[0] == outputs[1] and outputs[0].startswith(b"{")
 
 

@@ -241,7 +241,7 @@ TORCHRUN_SCRIPT = """
 @pytest.mark.procs
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("how", ["sigkill-restart", "sleep"])
-def test_under_torchrun_a_killed_or_sleeping_rank_ends_the_job(tmp_path, how):
+def test_under_torchrun_a_killed_or_sleeping_rank_ends_the_job(tmp_path, how, straight_run):
     """A sleeping rank: the peers end by their collectives' bound and torchrun exits
     non-zero. A SIGKILLed rank under --max-restarts=1: torchrun ends the other ranks
     and starts the job again, whose fit(resume=True) resumes from the last complete
@@ -267,11 +267,9 @@ def test_under_torchrun_a_killed_or_sleeping_rank_ends_the_job(tmp_path, how):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert len(list(pids.glob("a0-*.pid"))) == len(list(pids.glob("a1-*.pid"))) == 4
     resumed = json.loads((pids / "result.json").read_text())
-    straight = launch(_fit_with_restarts, 4, args=(str(tmp_path / "straight"), None),
-                      timeout_s=guard(120))[0]
     assert resumed["attempt"] == "1" and 1 <= resumed["start"] <= 4, resumed
     torch.testing.assert_close(torch.tensor(resumed["losses"]),
-                               torch.tensor(straight["losses"][resumed["start"]:]))
+                               torch.tensor(straight_run()["losses"][resumed["start"]:]))
 
 
 # ---------------------------------------------------------------------- restart + resume
@@ -316,15 +314,28 @@ def _fit_with_restarts(rank: int, tmp: str, kill_at: int | None) -> dict:
             "state": {k: v.detach().clone() for k, v in compiled.full_state_dict().items()}}
 
 
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """The uninterrupted run both restart tests compare with (on warm ranks), made once
+    for the module, on first use."""
+    made: list[dict] = []
+
+    def run() -> dict:
+        if not made:
+            tmp = tmp_path_factory.mktemp("straight")
+            made.append(launch(_fit_with_restarts, 4, args=(str(tmp), None),
+                               timeout_s=guard(120))[0])
+        return made[0]
+    return run
+
+
 @pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_a_killed_rank_restarts_the_job_which_resumes_to_the_uninterrupted_run(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, straight_run):
     monkeypatch.setenv("AUTOHYBRID_COLLECTIVE_TIMEOUT_S", TIMEOUT_S)
-    (tmp_path / "straight").mkdir()
     (tmp_path / "killed").mkdir()
-    straight = ah.launch(_fit_with_restarts, ah.Cluster.local(4),
-                         args=(str(tmp_path / "straight"), None), timeout_s=guard(120))[0]
+    straight = straight_run()
     resumed = ah.launch(_fit_with_restarts, ah.Cluster.local(4),
                         args=(str(tmp_path / "killed"), 4), timeout_s=guard(200),
                         max_restarts=1)[0]

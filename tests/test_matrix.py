@@ -47,6 +47,7 @@ import autohybrid as ah
 from _limits import guard
 from _pool import launch as pool_launch
 from _equiv import OPTIMIZERS, Failures, compare_training, report, zoo_loss
+import _matrix
 from _matrix import (DIMENSIONS, EIGHT_RANKS, LAYERS, MESHES, PRECISION_SETUP, Case,
                      all_pairs_cover, all_valid_cases, build_batches, build_model, chunks,
                      ci_sample, full_cases, in_full_matrix, replace, required_pairs,
@@ -77,6 +78,23 @@ def test_ci_sample_covers_every_valid_pair_and_is_deterministic():
     cover = all_pairs_cover(all_valid_cases())
     assert sorted(cover, key=repr) == sorted(sample, key=repr)   # seeded: the same cases
     assert len(sample) <= 60, len(sample)
+
+
+def test_ci_sample_covers_every_schedule_at_pp_2_and_4():
+    """The pipeline schedules' proof (tests/test_pp_equivalence.py relies on it): every
+    schedule trains in the sample at pp 2 and at pp 4, alone, with dp and with tp, on
+    gpt-tiny (tied weights on the first and last stage), under SGD and AdamW."""
+    sample = ci_sample()
+    for schedule in _matrix.SCHEDULES:
+        if schedule == "none":
+            continue
+        mine = [c for c in sample if c.schedule == schedule]
+        assert {c.pp for c in mine} == {2, 4}, schedule
+        assert {c.mesh for c in mine} & {(2, 1, 1), (4, 1, 1)}, schedule
+        assert any(c.pp > 1 and c.dp > 1 for c in mine), schedule
+        assert any(c.pp > 1 and c.tp > 1 for c in mine), schedule
+        assert "gpt-tiny" in {c.model for c in mine}, schedule
+        assert {c.optimizer for c in mine} == {"sgd", "adamw"}, schedule
 
 
 @pytest.mark.procs

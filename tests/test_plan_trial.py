@@ -203,3 +203,31 @@ def test_when_the_passes_reject_every_plan_the_default_marks_the_best(monkeypatc
                 executable_only=True)
 
 
+
+
+@pytest.mark.timeout(120)
+def test_a_trial_leaves_out_only_the_passes_that_never_refuse_a_plan(monkeypatch) -> None:
+    """The trial skips fusion (it leaves a region it cannot lower unfused: no plan is
+    ruled out by it), a kept trial program (the dry run's) runs every pass, and a pass
+    name `rewrite` does not know is refused."""
+    from autohybrid.trial import NEVER_REFUSE
+
+    model, inputs, targets = _gpt_tiny()
+    train = capture(model, inputs, _loss, targets)
+    plan = ah.plan(model, ah.Cluster.local(2), inputs, loss_fn=_loss,
+                   example_targets=targets, constraints=_pinned(Mesh(dp=2, tp=1, pp=1)))
+    assert NEVER_REFUSE == ("fusion",)
+    kept = PassTrial(train, keep=True)
+    assert kept(plan) is None and "fusion" in kept.kept(plan).pass_seconds
+
+    def fusion_ran(gm, ctx):
+        raise AutohybridError("fusion ran")
+
+    monkeypatch.setitem(passes.REGISTRY, "fusion", fusion_ran)
+    assert PassTrial(train)(plan) is None                      # not run in a trial
+    assert "fusion ran" in PassTrial(train, keep=True)(plan)   # run where it is kept
+    monkeypatch.undo()
+    assert rewrite(train, plan, 0, fake_groups=True, skip=NEVER_REFUSE).fused_regions == ()
+    assert rewrite(train, plan, 0, fake_groups=True).fused_regions != ()
+    with pytest.raises(ValueError, match="no pass named"):
+        rewrite(train, plan, 0, fake_groups=True, skip=("fusoin",))

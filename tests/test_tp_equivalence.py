@@ -42,9 +42,14 @@ def _pinned(tp: int, sp: bool = False) -> ah.Constraints:
 def _zoo_rank(rank: int, world: int, tp: int, sp: bool, turn: int) -> list[str]:
     """mlp, gpt, llama (4 heads, 2 KV heads), 3 steps each: AdamW, or SGD with gradient
     clipping, alternating along the models and from one layout (`turn`) to the next,
-    so each model meets both; then the gathered forward output."""
+    so each model meets both; then the gathered forward output. At tp 4 llama-tiny only
+    (its 2 KV heads each on 2 ranks): mlp and gpt at tp 4 + sp train in
+    tests/test_matrix.py's sample."""
     fails = Failures()
-    for i, name in enumerate(("mlp-tiny", "gpt-tiny", "llama-tiny")):
+    names = ("mlp-tiny", "gpt-tiny", "llama-tiny")
+    for i, name in enumerate(names):
+        if tp == 4 and name != "llama-tiny":
+            continue
         batches = zoo_batches(name, 8)
         optimizer, clip = (("adamw", None), ("sgd", 0.5))[(i + turn) % 2]
         case = f"{name}/{optimizer}/dp{world // tp}×tp{tp}{'+sp' if sp else ''}"
@@ -65,7 +70,7 @@ def _zoo_rank(rank: int, world: int, tp: int, sp: bool, turn: int) -> list[str]:
 @pytest.mark.procs
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world,tp,sp,turn", [(2, 2, False, 0), (2, 2, True, 1),
-                                              (4, 4, True, 0), (4, 2, False, 1),
+                                              (4, 4, True, 1), (4, 2, False, 1),
                                               (4, 2, True, 0)],
                          ids=["tp2", "tp2+sp", "tp4+sp", "dp2xtp2", "dp2xtp2+sp"])
 def test_zoo_tp_and_dp_x_tp_match_eager(world, tp, sp, turn):
