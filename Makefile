@@ -28,14 +28,23 @@ chromium:
 	  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q chromium >/dev/null; }; }
 	@chromium --version
 
+# Everything, in two parts (tests/conftest.py): the process-free tests on two xdist
+# workers (one per core; alone they would leave a core idle), then the multi-process
+# tests in one pytest process (their warm ranks and capture memo carry over). Both parts
+# run; the target fails if either failed.
 test: $(STAMP) chromium
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+	@AUTOHYBRID_TEST_TIER=free OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile; \
+	free=$$?; \
+	AUTOHYBRID_TEST_TIER=procs OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q; \
+	procs=$$?; \
+	echo "make test: process-free part exit $$free, multi-process part exit $$procs"; \
+	[ $$free -eq 0 ] && [ $$procs -eq 0 ]
 
 # The process-free tier (tests/conftest.py): capture, cost model, search, passes on one
 # process; tests marked `procs` (start processes) or `slow` run only in `make test`, and
 # a process started anywhere in this tier fails it.
 test-fast: $(STAMP)
-	AUTOHYBRID_TEST_TIER=fast OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+	AUTOHYBRID_TEST_TIER=fast OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 # The whole plan-space matrix (tests/_matrix.py): the CI sample plus every other valid
 # case; 1 h 29 min on a 2-core machine with other jobs alongside (load 10-28).

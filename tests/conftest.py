@@ -6,7 +6,11 @@ takes seconds alone (GPT-3-scale models, brute force) `slow`. `make test-fast` r
 rest with AUTOHYBRID_TEST_TIER=fast: capture, cost model, search and passes in one
 process (a rank's program is rewritten on torch's fake process group). In that tier
 starting a process anywhere (a test or a fixture of any scope) fails at once, naming the
-test and the mark it lacks, so the tier stays process-free. `make test` runs everything.
+test and the mark it lacks, so the tier stays process-free. `make test` runs everything
+in two parts: AUTOHYBRID_TEST_TIER=free (every process-free test, `slow` included, on two
+pytest-xdist workers: one test process per core, where a lone process would leave a core
+idle; processes refused as in the fast tier) and then AUTOHYBRID_TEST_TIER=procs (the
+tests marked `procs`, in one process, so their warm ranks and capture memo carry over).
 
 Hang guards. Time limits in tests are hang guards, never timings: every pytest-timeout
 limit (the marks and pyproject's default) is multiplied by `GUARD_SCALE`
@@ -24,7 +28,12 @@ import pytest
 
 from _limits import GUARD_SCALE
 
-FAST = os.environ.get("AUTOHYBRID_TEST_TIER") == "fast"
+TIER = os.environ.get("AUTOHYBRID_TEST_TIER", "")
+if TIER not in ("", "fast", "free", "procs"):
+    raise pytest.UsageError(f"AUTOHYBRID_TEST_TIER={TIER!r}: use fast, free, procs or unset")
+FAST = TIER == "fast"
+#: the tiers that refuse to start processes
+PROCESS_FREE = TIER in ("fast", "free")
 
 
 def _import_triton_for_its_interpreter() -> None:
@@ -72,6 +81,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if item.get_closest_marker("procs") or item.get_closest_marker("slow"):
                 item.add_marker(skip)
+    elif TIER in ("free", "procs"):   # make test's two parts: each runs what the other does not
+        keep = [item for item in items
+                if bool(item.get_closest_marker("procs")) == (TIER == "procs")]
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = keep
 
 
 _current = ["collection"]   # the test being set up, run or torn down (for the message)
@@ -90,5 +104,10 @@ def _refuse_processes() -> None:
     subprocess.Popen.__init__ = refuse
 
 
-if FAST:
-    _refuse_processes()
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # not in an xdist controller (`-n N`: it starts the workers, which run the tests
+    # and refuse processes themselves)
+    controller = (getattr(session.config.option, "numprocesses", None)
+                  and "PYTEST_XDIST_WORKER" not in os.environ)
+    if PROCESS_FREE and not controller:
+        _refuse_processes()

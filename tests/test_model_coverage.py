@@ -17,7 +17,8 @@ from _pool import launch as pool_launch  # noqa: E402
 
 CELLS = [
     ("mistral", "auto"),      # E1 fused rotary (fp32 only, see test_codegen) / mask per sample
-    ("phi3", "tp2"),          # E2 fused qkv / gate_up split by slicing and chunk
+    # E2 (Phi3's fused qkv / gate_up split by slicing and chunk): Phi3ForCausalLM at tp2
+    # in tests/test_tp_semantics.py
     ("bert", "tp2"),          # E3 padding_idx under the vocabulary-parallel embedding
     # E4 (T5: labels= without a target-free forward) trains under dp2, tp2 and pp2 in
     # tests/test_targets.py
