@@ -159,7 +159,8 @@ def bench(model: str | Callable[[], tuple], cluster: Cluster, *,
           optimizer: str = "sgd", lr: float | None = None, baselines: bool = True,
           json_path: str | Path | None = None, plot_path: str | Path | None = None,
           seed: int = 0, loss_tolerance: float = 1e-5,
-          timeout_s: float | None = None) -> BenchResult:
+          timeout_s: float | None = None,
+          start_method: str | None = None) -> BenchResult:
     """Train `model` eagerly in one process, compiled by autohybrid, and (`baselines`)
     with the hand-written PyTorch baseline of the plan's layout, on `cluster` (local
     processes); return their step times, throughput, memory, exposed communication and
@@ -172,6 +173,8 @@ def bench(model: str | Callable[[], tuple], cluster: Cluster, *,
     `constraints` pins planning choices (not both). `optimizer` "sgd" (lr 0.01) or
     "adamw" (lr 1e-3). `loss_tolerance`: the largest relative loss difference from eager
     still called equal. Writes the JSON to `json_path` and a plot to `plot_path`.
+    `start_method`: how `ah.launch` starts the ranks (None: spawn on CUDA, fork on CPU;
+    under spawn a factory `model` must be a top-level function).
     """
     _check_cluster(cluster)
     job = _Job(source=_source(model, global_batch), global_batch=global_batch,
@@ -188,7 +191,8 @@ def bench(model: str | Callable[[], tuple], cluster: Cluster, *,
                          f"{loss_tolerance!r}")
     from .runtime.launch import launch
 
-    per_rank = launch(_rank_main, cluster, args=(job,), timeout_s=timeout_s)
+    per_rank = launch(_rank_main, cluster, args=(job,), timeout_s=timeout_s,
+                      start_method=start_method)
     result = aggregate(per_rank, job, optimizer, float(loss_tolerance))
     if json_path is not None:
         result.to_json(json_path)

@@ -204,8 +204,10 @@ def _measure(rank: int, matmul_sizes: Sequence[int], dtypes: Sequence[torch.dtyp
 
 def calibrate(cluster: Cluster | None = None, *, matmul_sizes: Sequence[int] = (256, 512, 1024),
               dtypes: Sequence[torch.dtype] = (torch.float32,), repeats: int = 5,
-              all_reduce_sizes: Sequence[int] = ALL_REDUCE_SIZES) -> Profile:
-    """Measure this machine, per rank of `cluster` (one process per rank when local)."""
+              all_reduce_sizes: Sequence[int] = ALL_REDUCE_SIZES,
+              start_method: str | None = None) -> Profile:
+    """Measure this machine, per rank of `cluster` (one process per rank when local;
+    `start_method` as for `ah.launch`: None is spawn on CUDA, fork on CPU)."""
     device = "cuda" if cluster is not None and cluster.device_type == "cuda" else "cpu"
     args = (tuple(matmul_sizes), tuple(dtypes), repeats, tuple(all_reduce_sizes), device)
     ranks = 1 if cluster is None else cluster.world_size
@@ -214,7 +216,7 @@ def calibrate(cluster: Cluster | None = None, *, matmul_sizes: Sequence[int] = (
             results = [_measure(0, *args)]
         else:
             from .runtime.launch import launch
-            results = launch(_measure, cluster, args=args)
+            results = launch(_measure, cluster, args=args, start_method=start_method)
         bar.advance()
     flops = {d: min(r["flops"][d] for r in results) for d in results[0]["flops"]}
     profile = Profile(machine=f"{platform.node()} {platform.machine()} {device}",

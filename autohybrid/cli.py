@@ -110,6 +110,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="write the measured and predicted timelines as Chrome trace JSON")
     bench.add_argument("--plots", default=None, metavar="DIR",
                        help="write timeline.png (measured beside predicted) and memory.png")
+    _add_start_method(bench)
     calib = sub.add_parser(
         "calibrate", help="measure this machine (matmul, element-wise, collectives)",
         description="Time matmuls, a large element-wise add and all-reduces of several sizes "
@@ -118,6 +119,7 @@ def _parser() -> argparse.ArgumentParser:
     calib.add_argument("--world-size", type=int, default=2, help="local processes (default 2)")
     calib.add_argument("--out", default="calibration.json", help="profile file to write")
     calib.add_argument("--json", action="store_true", help="print the profile as JSON")
+    _add_start_method(calib)
     train = sub.add_parser(
         "train", help="train a MODEL with its plan, or launch a script on local processes",
         description="MODEL: compile it for the local cluster (searching a plan, or --plan) "
@@ -128,6 +130,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("target", help="zoo preset, path/file.py:factory, or a script.py")
     _add_planning(train, "local:2")
     train.add_argument("--steps", type=int, default=5, help="optimizer steps (default 5)")
+    _add_start_method(train)
     train.add_argument("--plan", default=None, help="a plan JSON to run (default: search)")
     train.add_argument("--optimizer", default="adamw", choices=("sgd", "adamw"))
     train.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
@@ -431,6 +434,11 @@ def _print_inspect(plan, data: dict[str, Any], console) -> None:
         print(f"\n# graph as captured\n{data['capture_code']}")
 
 
+def _add_start_method(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--start-method", default=None, choices=("fork", "spawn", "forkserver"),
+                        help="how the local ranks start (default: spawn on CUDA, fork on CPU)")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import bench
     from .cluster import Cluster
@@ -448,7 +456,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        warmup=args.warmup, plan=plan,
                        constraints=_constraints(args.constrain) if args.constrain else None,
                        optimizer=args.optimizer, lr=args.lr, baselines=not args.no_baselines,
-                       json_path=args.out, plot_path=args.plot)
+                       json_path=args.out, plot_path=args.plot,
+                       start_method=args.start_method)
     except (AutohybridError, ValueError, OSError) as exc:
         return _fail("bench", exc)
     try:
@@ -544,7 +553,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         results = launch(_train_rank, cluster, args=(
             spec.ref, cluster.world_size, args.steps, args.plan, constraints,
             args.global_batch, args.optimizer, args.lr, args.save, args.check, fit_options,
-            args.dtype))
+            args.dtype), start_method=args.start_method)
     except (AutohybridError, ValueError, OSError) as exc:
         return _fail("train", exc)
     first = results[0]
@@ -619,7 +628,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         check_outputs(args)
         if args.world_size < 1:
             raise UsageError(f"--world-size must be at least 1, got {args.world_size}")
-        profile = calibrate(Cluster.local(args.world_size) if args.world_size > 1 else None)
+        profile = calibrate(Cluster.local(args.world_size) if args.world_size > 1 else None,
+                            start_method=args.start_method)
         profile.to_json(args.out)
     except (AutohybridError, OSError) as exc:
         return _fail("calibrate", exc)

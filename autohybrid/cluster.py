@@ -3,8 +3,10 @@
 This module owns `Cluster` (a frozen, JSON-serialisable description of nodes × devices,
 the in-node and across-node links, the NICs and the process-group backend), its presets,
 its topology graph, and the ways to obtain one (`preset`, `local`, `from_env`, `parse`).
-Every hardware figure comes from `autohybrid.hardware`. It must not import anything above
-it (search, cost, passes, runtime), and it never starts processes.
+Every hardware figure comes from `autohybrid.hardware`, this machine's GPUs from
+`autohybrid.device_facts` (NVML or a probe process: CUDA is never initialized here, so
+`ah.launch` may still start ranks that use it). It must not import anything above it
+(search, cost, passes, runtime), and starts no process beyond that probe.
 
 Placement is torchrun's: rank r is device r % devices_per_node of node r // devices_per_node;
 device i of a node uses NIC i % nics_per_node. `intra_link` is what a collective inside one
@@ -34,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, NamedTuple
 
 from autohybrid import hardware
+from autohybrid.device_facts import cuda_facts
 from autohybrid.errors import ClusterError
 from autohybrid.hardware import DeviceSpec, LinkSpec
 
@@ -238,13 +241,13 @@ class Cluster:
     @classmethod
     def local(cls, world_size: int, device_type: str | None = None) -> Cluster:
         """`world_size` processes on this machine: one GPU each with NCCL when there are
-        enough GPUs (or device_type="cuda"), else CPU processes with gloo."""
-        import torch
-
+        enough GPUs (or device_type="cuda"), else CPU processes with gloo. The GPUs are
+        counted without initializing CUDA in this process (autohybrid/device_facts.py)."""
         hardware.check_type("world_size", world_size, (int,), "Cluster.local")
         if world_size < 1:
             raise ClusterError(f"Cluster.local: world_size must be >= 1, got {world_size}")
-        gpus = torch.cuda.device_count()
+        facts = cuda_facts()
+        gpus = facts.count
         if device_type is None:
             device_type = "cuda" if gpus >= world_size else "cpu"
         if device_type not in ("cuda", "cpu"):
@@ -252,8 +255,9 @@ class Cluster:
                                f"got {device_type!r}")
         if device_type == "cuda" and gpus < world_size:
             raise ClusterError(f"Cluster.local: world_size={world_size} needs one GPU per "
-                               f"process but {gpus} are visible; use device_type='cpu' or "
-                               f"fewer processes")
+                               f"process but {gpus} are visible"
+                               f"{' (' + facts.note + ')' if facts.note else ''}; use "
+                               f"device_type='cpu' or fewer processes")
         return cls._detected(f"local:{world_size}", 1, world_size, device_type, is_local=True)
 
     @classmethod
@@ -263,8 +267,6 @@ class Cluster:
 
         With RANK, GROUP_RANK and LOCAL_RANK set (torchrun sets them), checks that ranks
         are numbered node by node, as `rank_location` assumes."""
-        import torch
-
         missing = [v for v in ("WORLD_SIZE", "LOCAL_WORLD_SIZE") if v not in os.environ]
         if missing:
             raise ClusterError(f"Cluster.from_env: environment variable(s) {missing} not set; "
@@ -278,7 +280,7 @@ class Cluster:
                                f"LOCAL_WORLD_SIZE={local}; every node must run the same "
                                f"number of processes")
         _check_node_major(nodes, local)
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        device_type = "cuda" if cuda_facts().count > 0 else "cpu"
         return cls._detected(f"torchrun:{nodes}x{local}", nodes, local, device_type,
                              is_local=False)
 
@@ -419,10 +421,13 @@ def _detect_device(device_type: str) -> tuple[DeviceSpec, LinkSpec, LinkSpec, in
         p = PRESETS["cpu"]
         return (hardware.device("cpu"), hardware.link(p.intra_link),
                 hardware.link(p.inter_link), p.nics_per_node)
-    import torch
-
-    gpu_name = torch.cuda.get_device_name(0)
-    device = hardware.match_cuda_device(gpu_name, torch.cuda.get_device_properties(0).total_memory)
+    facts = cuda_facts()  # (never get_device_properties: it would initialize CUDA here)
+    if facts.count < 1 or facts.name is None:
+        raise ClusterError(f"a CUDA cluster on this machine, but no CUDA device is visible"
+                           f"{' (' + facts.note + ')' if facts.note else ''}; check "
+                           f"CUDA_VISIBLE_DEVICES and the driver, or use device_type='cpu'")
+    gpu_name = facts.name
+    device = hardware.match_cuda_device(gpu_name, facts.memory_bytes)
     preset = next((p for p in PRESETS.values() if p.device == device.name), None)
     if preset is None:  # an unrecognised GPU: a guess, to be replaced by calibration
         return device, hardware.link("pcie-gen4"), hardware.link("ib-hdr"), 1

@@ -44,7 +44,9 @@ from .runtime.capture_share import capture_once
 from .runtime.safetensors_io import export_safetensors, import_safetensors
 from .runtime.checkpoint_state import (guard_optimizer_load, hook_whole_loads, load_compiled,
                                        save_compiled)
-from .runtime.groups import build_mesh, ensure_initialized, from_rank_zero
+from .runtime.groups import all_ranks_arrived, build_mesh, ensure_initialized, from_rank_zero
+from .runtime.placement import cuda_device
+from .runtime.timeouts import first_steps, step_bound
 from .runtime.pipeline import PipelineRunner, shared_grad_groups
 from .runtime.tp_state import ShardedParameters
 from .init import replace_parameters
@@ -66,6 +68,7 @@ class CompiledModel:
                  init_seed: int | None = None, check: str | None = None,
                  scheduler_factory: Callable | None = None):
         ensure_initialized(cluster.world_size)
+        first_steps()  # compile and the first step: the long bound (runtime/timeouts.py)
         self.scheduler_factory = scheduler_factory
         self._set_up(model, cluster, loss_fn, example_inputs, optimizer_factory, autocast,
                      grad_scaler, init_seed)
@@ -139,6 +142,7 @@ class CompiledModel:
         self._batch_specs: dict[int, BatchSpec] = {}  # what a batch must be, per graph
         #: train_steps completed (a skipped fp16 step counts): what a checkpoint records
         self.step = 0
+        self._stepped = False  # a train_step completed (runtime/timeouts.step_bound)
         record_step(0)
 
     def _capture_at_compile(self, example_targets: Any) -> CapturedGraph:
@@ -283,9 +287,8 @@ class CompiledModel:
         return self.materializer.zero_shard(name, self.plan.mesh.dp, self.coords[1], spec)
 
     def _move_to_device(self) -> None:
-        if self.cluster.device_type == "cuda":
-            local = self.rank % self.cluster.devices_per_node
-            self.device = torch.device("cuda", local)
+        if self.cluster.device_type == "cuda":  # cuda:LOCAL_RANK, checked and current
+            self.device = cuda_device(self.cluster.devices_per_node, self.rank)
             if not _on_meta(self.model):  # (a meta model is materialized on the device)
                 self.model.to(self.device)
         else:
@@ -482,6 +485,10 @@ class CompiledModel:
             self.scaler.update(self.found_inf)
         self.step += 1
         record_step(self.step)  # the launcher names a failed rank's last step from it
+        if not self._stepped:  # every rank past its first step: the step bound from now
+            self._stepped = True
+            all_ranks_arrived()
+            step_bound()
         return loss
 
     def _checked_step(self, inputs: Any, targets: Any, local: bool,

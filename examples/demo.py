@@ -68,11 +68,14 @@ def run(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batch", type=int, default=16, help="global batch")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--start-method", default=None, choices=("fork", "spawn", "forkserver"),
+                        help="how the ranks start (default: spawn on CUDA, fork on CPU)")
     args = parser.parse_args(argv)
     config = dict(layers=args.layers, hidden=args.hidden, heads=4, vocab=512, seq=64)
     print(f"autohybrid demo: GPT {config} on Cluster.local({args.world_size}), global batch "
           f"{args.batch}, {args.steps} AdamW steps\n")
-    results = ah.launch(main, ah.Cluster.local(args.world_size), args=(args, config))
+    results = ah.launch(main, ah.Cluster.local(args.world_size), args=(args, config),
+                        start_method=args.start_method)
     first = results[0]
     print(first["explain"], "\n")
     print(f"{'step':>4}  {'compiled loss':>14}  {'eager loss':>14}  {'|diff|':>9}  "

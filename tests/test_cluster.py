@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import networkx as nx
 import pytest
 import torch
+from _fake_cuda import fake_gpus
 
 from autohybrid import hardware
 from autohybrid.cluster import PRESETS, Cluster, LinkView
@@ -252,12 +253,9 @@ def test_local_rejects_bad_arguments():
 
 
 def _fake_gpus(monkeypatch, name, count, memory=80 * 2**30):
-    """Pretend this machine has `count` CUDA devices called `name`."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: count > 0)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=0: name)
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda index=0: SimpleNamespace(total_memory=memory))
+    """Pretend this machine has `count` CUDA devices called `name` (NVML only: reading
+    them any other way would initialize CUDA here, and fails the test)."""
+    fake_gpus(monkeypatch, name, count, memory)
 
 
 def test_local_with_enough_gpus_is_nccl(monkeypatch):

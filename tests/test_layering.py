@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent / "autohybrid"
 #: package above it. A module may import its own layer and those below.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("errors", "logs", "graph", "hardware", "plan", "init", "blame",
-                    "cluster", "features")),
+                    "device_facts", "cluster", "features")),
     ("models", ("models",)),
     ("capture", ("capture", "capture_cache", "capture_blocks", "capture_probe",
                  "capture_splice", "capture_wire", "batch_spec")),

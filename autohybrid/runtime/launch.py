@@ -4,11 +4,14 @@ This module owns starting rank processes, wiring up the default process group, m
 results and tracebacks back to the parent, and cleaning up: no rank process (nor any
 process it started in its process group) outlives `launch`, whatever happens.
 
-- Local mode (default): one child process per rank (``fork`` by default, ``spawn`` on
-  request), each in its own process group and with ``OMP_NUM_THREADS=1``; env RANK,
+- Local mode (default): one child process per rank (``fork`` on CPU clusters, ``spawn``
+  on CUDA ones: runtime/spawn.py; `start_method` overrides), each in its own process
+  group and with ``OMP_NUM_THREADS=1``; env RANK,
   LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT and
   ``AUTOHYBRID_LAUNCHED=1`` are set, the default group is initialized from a fresh
   ``file://`` store, and destroyed when `main` returns. Results come back in rank order.
+  On CUDA each rank's device is ``cuda:LOCAL_RANK``, made current and passed as
+  ``device_id`` to ``init_process_group`` under NCCL (runtime/placement.py).
 - A rank that fails (raises, exits, is killed, or stops responding: its peers'
   collectives time out) makes `launch` end every rank (each one's process group) and
   raise `RankFailure` naming the rank that failed first in fact, not a neighbour that
@@ -19,8 +22,9 @@ process it started in its process group) outlives `launch`, whatever happens.
   nothing is spawned: `main` runs in this process and `launch` returns ``[result]``, a
   one-element list holding only this rank's result.
 
-Environment: ``AUTOHYBRID_COLLECTIVE_TIMEOUT_S`` (process-group timeout, default 40:
-runtime/timeouts.py), ``AUTOHYBRID_RESTART_COUNT`` (set for `main`: the attempt, from 0),
+Environment: ``AUTOHYBRID_COLLECTIVE_TIMEOUT_S`` (process-group timeout, default 40,
+after the first step; ``AUTOHYBRID_FIRST_STEP_TIMEOUT_S`` until then: runtime/timeouts.py),
+``AUTOHYBRID_RESTART_COUNT`` (set for `main`: the attempt, from 0),
 ``AUTOHYBRID_LAUNCH_TIMEOUT_S`` (overall timeout when `timeout_s` is None),
 ``AUTOHYBRID_INPROCESS=1`` (run a 1-rank world in this process instead of a child).
 """
@@ -43,10 +47,13 @@ from typing import Any, Callable, Iterator, TypeVar
 
 from autohybrid.errors import ClusterError, RankFailure, RuntimeFailure
 
+from . import spawn
 from .failures import PROGRESS_ENV, enable_stack_dump, is_peer_error
+from .placement import process_group_device
 from .rank_watch import RankWatch
 from .timeouts import collective_timeout as _collective_timeout
 from .timeouts import env_seconds as _env_float
+from .timeouts import group_timeout, register_group
 
 T = TypeVar("T")
 
@@ -106,22 +113,25 @@ def _rank_env(rank: int, ws: int, port: int) -> dict[str, str]:
 
 
 def _run_in_this_process(main: Callable[..., T], rank: int, ws: int, backend: str,
-                         device_type: str, init_method: str, args: tuple) -> T:
-    """Init the default group (if needed), run main, destroy the group if we made it."""
-    import torch
+                         device_type: str, init_method: str, args: tuple,
+                         per_node: int | None = None) -> T:
+    """Init the default group (if needed), run main, destroy the group if we made it.
+    On CUDA the rank's device (cuda:LOCAL_RANK, checked) is made current first and
+    bound to the group (`device_id`, NCCL)."""
     import torch.distributed as dist
 
-    if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    device_id = process_group_device(backend, device_type, per_node, rank)
     created = not dist.is_initialized()
     if created:
+        bound = {} if device_id is None else {"device_id": device_id}
         store = _torchrun_attempt_store()
         if store is not None:
             dist.init_process_group(backend, store=store, rank=rank, world_size=ws,
-                                    timeout=_collective_timeout())
+                                    timeout=group_timeout(), **bound)
         else:
             dist.init_process_group(backend, init_method=init_method, rank=rank,
-                                    world_size=ws, timeout=_collective_timeout())
+                                    world_size=ws, timeout=group_timeout(), **bound)
+        register_group(dist.group.WORLD)  # the step bound after the first step
     try:
         return main(rank, *args)
     finally:
@@ -153,8 +163,8 @@ def _set_parent_death_signal() -> None:
 
 
 def _child(rank: int, ws: int, backend: str, device_type: str, port: int, store: str,
-           main: Callable[..., Any], args: tuple, conn: Any, parent_pid: int,
-           env: dict[str, str]) -> None:
+           main: Callable[..., Any], args: Any, conn: Any, parent_pid: int,
+           env: dict[str, str], per_node: int | None = None) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     torch.set_num_threads(1)
@@ -184,8 +194,9 @@ def _child(rank: int, ws: int, backend: str, device_type: str, port: int, store:
             raise
 
     try:
+        main, args = spawn.resolve(main, args)  # spawned: the function, from its script
         result = _run_in_this_process(guarded_main, rank, ws, backend, device_type,
-                                      f"file://{store}", args)
+                                      f"file://{store}", args, per_node)
         _send(conn, ("ok", result, time.time()))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         report_error()
@@ -227,7 +238,7 @@ def _kill_all(procs: list[Any]) -> None:
 
 
 def launch(main: Callable[..., T], cluster: Any, *, args: tuple = (),
-           timeout_s: float | None = None, start_method: str = "fork",
+           timeout_s: float | None = None, start_method: str | None = None,
            max_restarts: int = 0) -> list[T]:
     """Run ``main(rank, *args)`` on every rank of `cluster`; return results in rank order.
 
@@ -241,8 +252,18 @@ def launch(main: Callable[..., T], cluster: Any, *, args: tuple = (),
     again, fresh processes on a fresh rendezvous, up to N times; `main` sees env
     ``AUTOHYBRID_RESTART_COUNT`` (0 on the first attempt), and the last failure is
     raised when every attempt failed.
+
+    `start_method` None: ``spawn`` on a CUDA cluster, ``fork`` on CPU. Under spawn,
+    `main` must be a top-level function (of a module, or of the launching script above
+    its `launch` call) and `args` picklable; refused before any process starts.
     """
+    if spawn.loading_script():  # a spawned rank runs the script: it stops here
+        raise spawn.StopAtLaunch()
     ws, backend, device_type, local = _cluster_info(cluster)
+    per_node = getattr(cluster, "devices_per_node", None)
+    if not isinstance(per_node, int) or isinstance(per_node, bool):
+        per_node = None
+    start_method = spawn.start_method_for(device_type, start_method)
     if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
         raise ClusterError(f"launch: max_restarts must be an int >= 0, got {max_restarts!r}")
     if _under_torchrun():
@@ -254,7 +275,8 @@ def launch(main: Callable[..., T], cluster: Any, *, args: tuple = (),
                 f"(e.g. --nproc-per-node {ws}) or describe a cluster of {env_ws} ranks")
         rank = int(os.environ["RANK"])
         os.environ.setdefault(RESTART_ENV, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        return [_run_in_this_process(main, rank, ws, backend, device_type, "env://", args)]
+        return [_run_in_this_process(main, rank, ws, backend, device_type, "env://", args,
+                                     per_node)]
     if not local:
         raise ClusterError(f"launch: the cluster spans several nodes ({ws} ranks) but "
                            "launch only starts local processes; run the script with "
@@ -263,11 +285,13 @@ def launch(main: Callable[..., T], cluster: Any, *, args: tuple = (),
         timeout_s = _env_float("AUTOHYBRID_LAUNCH_TIMEOUT_S", None)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     if ws == 1 and os.environ.get("AUTOHYBRID_INPROCESS") == "1":
-        return _launch_in_this_process(main, backend, device_type, args)
+        return _launch_in_this_process(main, backend, device_type, args, per_node)
+    if start_method != "fork":
+        main, args = None, spawn.spawn_target(main, args)  # type: ignore[assignment]
     for attempt in range(max_restarts + 1):
         try:
             return _launch_once(main, ws, backend, device_type, args, deadline, timeout_s,
-                                start_method, attempt)
+                                start_method, attempt, per_node)
         except RankFailure as failure:
             if attempt == max_restarts:
                 if not max_restarts:
@@ -283,19 +307,20 @@ def launch(main: Callable[..., T], cluster: Any, *, args: tuple = (),
 
 
 def _launch_in_this_process(main: Callable[..., T], backend: str, device_type: str,
-                            args: tuple) -> list[T]:
+                            args: tuple, per_node: int | None = None) -> list[T]:
     tmpdir = tempfile.mkdtemp(prefix="autohybrid-launch-")
     try:
         with _temp_env(_rank_env(0, 1, free_port())):
             return [_run_in_this_process(main, 0, 1, backend, device_type,
-                                         f"file://{os.path.join(tmpdir, 'store')}", args)]
+                                         f"file://{os.path.join(tmpdir, 'store')}", args,
+                                         per_node)]
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def _launch_once(main: Callable[..., T], ws: int, backend: str, device_type: str,
                  args: tuple, deadline: float | None, timeout_s: float | None,
-                 start_method: str, attempt: int) -> list[T]:
+                 start_method: str, attempt: int, per_node: int | None = None) -> list[T]:
     """One attempt: fresh ranks on a fresh port and store, all ended when it returns."""
     tmpdir = tempfile.mkdtemp(prefix="autohybrid-launch-")
     records = os.path.join(tmpdir, "records")
@@ -304,7 +329,7 @@ def _launch_once(main: Callable[..., T], ws: int, backend: str, device_type: str
     try:
         return _launch_children(main, ws, backend, device_type, free_port(),
                                 os.path.join(tmpdir, "store"), args, deadline, timeout_s,
-                                start_method, env)
+                                start_method, env, per_node)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
 
@@ -345,7 +370,7 @@ def heap_frozen_for_fork(start_method: str) -> Iterator[None]:
 def _launch_children(main: Callable[..., T], ws: int, backend: str, device_type: str,
                      port: int, store: str, args: tuple, deadline: float | None,
                      timeout_s: float | None, start_method: str,
-                     env: dict[str, str]) -> list[T]:
+                     env: dict[str, str], per_node: int | None = None) -> list[T]:
     if device_type == "cuda" and start_method == "fork":
         import torch
         if torch.cuda.is_initialized():
@@ -357,12 +382,14 @@ def _launch_children(main: Callable[..., T], ws: int, backend: str, device_type:
     procs: list[Any] = []
     readers: list[Any] = []
     try:
-        with heap_frozen_for_fork(start_method):
+        hidden = (spawn.script_hidden() if start_method != "fork"
+                  else contextlib.nullcontext())
+        with heap_frozen_for_fork(start_method), hidden:
             for rank in range(ws):
                 reader, writer = ctx.Pipe(duplex=False)
                 p = ctx.Process(target=_child, name=f"autohybrid-rank{rank}", daemon=False,
                                 args=(rank, ws, backend, device_type, port, store, main,
-                                      args, writer, os.getpid(), env))
+                                      args, writer, os.getpid(), env, per_node))
                 p.start()
                 writer.close()
                 with contextlib.suppress(OSError):
