@@ -147,6 +147,22 @@ def test_inprocess_world_of_one(monkeypatch):
 
 @pytest.mark.procs
 @pytest.mark.timeout(60)
+def test_a_fork_after_an_in_process_launch_does_not_free_the_parents_groups(monkeypatch,
+                                                                           tmp_path):
+    """The in-process launch's group (registered for the first-step bound,
+    runtime/timeouts.py) must not be freed in the forked ranks of the next launch: a
+    gloo group's destructor run there hung every rank before `main`."""
+    monkeypatch.setenv("AUTOHYBRID_INPROCESS", "1")
+    launch(_info, 1, args=("y",))
+    monkeypatch.delenv("AUTOHYBRID_INPROCESS")
+    with pytest.raises(RankFailure) as info:
+        launch(_die_on_rank1, _cluster(2), args=("exit3", str(tmp_path)),
+               timeout_s=guard(20))
+    assert info.value.rank == 1 and info.value.exitcode == 3
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(60)
 def test_spawn_start_method():
     assert launch(_all_reduce, _cluster(2), start_method="spawn") == [3.0, 3.0]
 

@@ -53,7 +53,7 @@ from .placement import process_group_device
 from .rank_watch import RankWatch
 from .timeouts import collective_timeout as _collective_timeout
 from .timeouts import env_seconds as _env_float
-from .timeouts import group_timeout, register_group
+from .timeouts import forget_groups, group_timeout, register_group
 
 T = TypeVar("T")
 
@@ -137,6 +137,7 @@ def _run_in_this_process(main: Callable[..., T], rank: int, ws: int, backend: st
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
+            forget_groups()  # freed here, not in a child forked later
 
 
 def _torchrun_attempt_store() -> Any:

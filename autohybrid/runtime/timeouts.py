@@ -48,7 +48,7 @@ __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "DEFAULT_COMPILE_TIMEOUT_S",
            "DEFAULT_CHECKPOINT_TIMEOUT_S", "env_seconds", "collective_timeout",
            "compile_timeout", "checkpoint_timeout", "new_group",
            "DEFAULT_FIRST_STEP_TIMEOUT_S", "first_step_timeout", "group_timeout",
-           "register_group", "first_steps", "step_bound", "in_first_steps"]
+           "register_group", "first_steps", "step_bound", "in_first_steps", "forget_groups"]
 
 #: seconds; with the launcher's few seconds to decide and end the ranks, a job whose rank
 #: stops responding ends within a minute (README, Debugging)
@@ -102,6 +102,23 @@ def first_step_timeout() -> timedelta:
 
 #: [the world group the registry belongs to, its groups, in first steps]
 _STATE: list = [None, [], True]
+#: groups a forked child inherited: never freed there (a gloo group's destructor joins
+#: threads that exist only in the parent, so dropping the last reference in the child
+#: hangs it: seen after an in-process launch, then a forked one)
+_INHERITED: list = []
+
+
+def _after_fork_in_child() -> None:
+    _INHERITED.extend([_STATE[0], *_STATE[1]])
+    _STATE[:] = [None, [], True]
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def forget_groups() -> None:
+    """Drop the registry (call it where the groups were destroyed, in their process)."""
+    _STATE[:] = [None, [], True]
 
 
 def _registry() -> list:
