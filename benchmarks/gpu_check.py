@@ -113,6 +113,8 @@ def spawn_section(name: str, out: Path, cpu: bool, timeout_s: float) -> dict[str
         tail = f"timed out after {timeout_s:.0f} s\n" + _text(exc.stdout) + _text(exc.stderr)
     wall = round(time.perf_counter() - start, 2)
     record = json.loads(path.read_text()) if path.exists() else {}
+    if status == "ok" and record.get("status") == "partial":
+        status = "failed"
     if status != "ok" or not record:
         record = {**record, "status": status if status != "ok" else "failed",
                   "error": tail[-4000:] or "no output and no JSON"}
@@ -164,6 +166,12 @@ def spec_figures(dev: str) -> dict[str, Any]:
             "bf16_peak_flops": spec.flops(torch.bfloat16)}
 
 
+def save_partial(out: Path, name: str, record: dict[str, Any]) -> None:
+    """What a section has so far, so that a timeout keeps it (spawn_section reads it)."""
+    (out / f"{name}.json").write_text(json.dumps({"status": "partial", **record}, indent=2,
+                                                 default=str) + "\n")
+
+
 def roofline_of(out: Path) -> dict[str, Any]:
     """The roofline section's measured figures (empty when it did not run)."""
     path = out / "roofline.json"
@@ -199,7 +207,9 @@ def roofline(out: Path, cpu: bool) -> dict[str, Any]:
     except ImportError:
         versions["triton"] = None
     if dev == "cuda":
-        versions.update(cuda=torch.version.cuda, nccl=".".join(map(str, torch.cuda.nccl.version())),
+        nccl = torch.cuda.nccl.version()
+        versions.update(cuda=torch.version.cuda,
+                        nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
                         device=torch.cuda.get_device_name(0),
                         capability=".".join(map(str, torch.cuda.get_device_capability(0))))
     numel = (1 << 28) if dev == "cuda" else (1 << 20)   # 512 MiB of bf16 / 2 MiB
@@ -251,6 +261,7 @@ def kernels(out: Path, cpu: bool) -> dict[str, Any]:
                 row[f"{phase}_{impl}_gbs"] = nbytes / t / 1e9
                 row[f"{phase}_{impl}_of_bandwidth"] = nbytes / t / bandwidth
         rows.append(row)
+        save_partial(out, "kernels", {"patterns": rows})
     ok = all(r["equal_fwd"] and r["equal_bwd"] and r["compile_equal"] is not False
              for r in rows)
     return {"device": dev, "dtype": str(dtype), "bandwidth": bandwidth,
@@ -263,7 +274,8 @@ def gpt(out: Path, cpu: bool) -> dict[str, Any]:
     import gpu_check_gpt   # benchmarks/gpu_check_gpt.py
 
     return gpu_check_gpt.run(device(cpu), roofline_of(out), spec_figures(device(cpu)),
-                             LOSS_RTOL["cpu" if cpu else "gpu"])
+                             LOSS_RTOL["cpu" if cpu else "gpu"],
+                             lambda runs: save_partial(out, "gpt", {"runs": runs}))
 
 
 # ------------------------------------------------------------------ (d) two processes

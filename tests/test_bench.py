@@ -270,6 +270,14 @@ def test_dtype_is_the_compiled_runs_autocast_for_every_variant():
     assert step((), None) and seen == [torch.bfloat16]
 
 
+def test_cli_bench_takes_dtype():
+    from autohybrid.cli import _parser
+
+    args = _parser().parse_args(["bench", "gpt-tiny", "--dtype", "bf16"])
+    assert args.dtype == "bf16"
+    assert _parser().parse_args(["bench", "gpt-tiny"]).dtype is None
+
+
 def test_step_stats():
     stats = step_stats([0.4, 0.1, 0.3, 0.2, 0.5])
     assert stats == {"median_s": 0.3, "min_s": 0.1, "max_s": 0.5,
