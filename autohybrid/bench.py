@@ -18,8 +18,9 @@ with other jobs, compare runs made at the same load):
   wait on a long-timeout gloo group.
 - precision: `dtype` (e.g. "bf16") is what `ah.compile(dtype=...)` takes; narrower than the
   model's float32 parameters it is mixed precision (autocast, fp32 master weights), and
-  eager and the baseline run their forward and loss under the same `torch.autocast` (fp16
-  with a `torch.amp.GradScaler`, as the compiled run scales its loss), so that the
+  eager runs its forward and loss under the same `torch.autocast` (fp16 with a
+  `torch.amp.GradScaler`, as the compiled run scales its loss) and the baseline its whole
+  `train_step` (forward and backward are one call there; no loss scaling), so that the
   comparison is between equals. The result records it (`dtype`, `autocast`).
 - exposed communication: one more step under `torch.profiler` (CPU activity; CUDA too on
   a CUDA device, where the timeline reads kernels and NCCL kernels), turned into
