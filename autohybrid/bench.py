@@ -16,14 +16,21 @@ with other jobs, compare runs made at the same load):
   time is the slowest rank's (the parent takes the maximum over ranks per step), after
   `float(loss)` (which waits for CUDA kernels). Eager runs on rank 0 alone, the others
   wait on a long-timeout gloo group.
-- exposed communication: one more step under `torch.profiler` (CPU activity), turned into
+- precision: `dtype` (e.g. "bf16") is what `ah.compile(dtype=...)` takes; narrower than the
+  model's float32 parameters it is mixed precision (autocast, fp32 master weights), and
+  eager runs its forward and loss under the same `torch.autocast` (fp16 with a
+  `torch.amp.GradScaler`, as the compiled run scales its loss) and the baseline its whole
+  `train_step` (forward and backward are one call there; no loss scaling), so that the
+  comparison is between equals. The result records it (`dtype`, `autocast`).
+- exposed communication: one more step under `torch.profiler` (CPU activity; CUDA too on
+  a CUDA device, where the timeline reads kernels and NCCL kernels), turned into
   a timeline by runtime/profile.py's `timeline_from_events` — the machinery behind
   `compiled.profile` — for every variant alike: communication time not covered by the
   main thread's compute. One correction: DTensor's functional collectives wait inside an
   op (`_c10d_functional::wait_tensor`), which the timeline would count as compute; those
   waits are taken out of compute here. The figure is the largest over the ranks, beside
   the profiled step's own duration (`profiled_step_s`: the profiler slows a step). On
-  CUDA the timeline cannot see kernels on streams: null there, with the reason.
+  CUDA it is NCCL kernel time not overlapped by compute kernels on other streams.
 - peak memory per rank: on CUDA `torch.cuda.max_memory_allocated`, reset per variant. On
   CPU there is no allocator high-water mark, and RSS includes the Python heap, libraries
   and freed-but-cached pages; we measure instead ``held + transient``: `held` = bytes of
@@ -67,8 +74,7 @@ _STEP = "ah::step0"
 _FUNCTIONAL_WAIT = "_c10d_functional::wait_tensor"
 #: how long ranks that do not run eager wait for rank 0 (big models on CPU are slow)
 _EAGER_WAIT = timedelta(hours=4)
-_NO_CUDA_TIMELINE = ("not measured on CUDA: kernels run asynchronously on streams, and the "
-                     "profiler timeline (runtime/profile.py) measures CPU (gloo) runs only")
+_NO_TIMELINE = "not measured: a rank's profiled step gave no timeline"
 #: the reachable-object walk stops after this many objects (a lower bound beyond)
 _WALK_LIMIT = 2_000_000
 
@@ -121,10 +127,13 @@ class BenchResult:
     runs: list[Run]
     loss_check: dict[str, Any]
     prediction_check: dict[str, Any]
+    #: the run's dtype ("float32", "bfloat16", …) and the autocast dtype (None: none)
+    dtype: str = "float32"
+    autocast: str | None = None
     #: the whole Plan the compiled run used (Plan.to_dict(); `Plan.from_dict` reads it)
     full_plan: dict[str, Any] = field(default_factory=dict)
     #: the compiled run's profiled step on every rank (report/timeline.py's
-    #: Timeline.to_dict(); None on CUDA, where the profiler timeline does not apply)
+    #: Timeline.to_dict(); on CUDA its intervals are kernels and NCCL kernels)
     measured_timeline: dict[str, Any] | None = None
 
     def run(self, name: str) -> Run:
@@ -159,8 +168,8 @@ def bench(model: str | Callable[[], tuple], cluster: Cluster, *,
           optimizer: str = "sgd", lr: float | None = None, baselines: bool = True,
           json_path: str | Path | None = None, plot_path: str | Path | None = None,
           seed: int = 0, loss_tolerance: float = 1e-5,
-          timeout_s: float | None = None,
-          start_method: str | None = None) -> BenchResult:
+          timeout_s: float | None = None, start_method: str | None = None,
+          dtype: torch.dtype | str | None = None) -> BenchResult:
     """Train `model` eagerly in one process, compiled by autohybrid, and (`baselines`)
     with the hand-written PyTorch baseline of the plan's layout, on `cluster` (local
     processes); return their step times, throughput, memory, exposed communication and
@@ -172,9 +181,10 @@ def bench(model: str | Callable[[], tuple], cluster: Cluster, *,
     `global_batch` defaults to the example batch's size. `plan` reuses a Plan;
     `constraints` pins planning choices (not both). `optimizer` "sgd" (lr 0.01) or
     "adamw" (lr 1e-3). `loss_tolerance`: the largest relative loss difference from eager
-    still called equal. Writes the JSON to `json_path` and a plot to `plot_path`.
-    `start_method`: how `ah.launch` starts the ranks (None: spawn on CUDA, fork on CPU;
-    under spawn a factory `model` must be a top-level function).
+    still called equal (loosen it for bf16). `dtype`: as `ah.compile(dtype=...)`; eager and
+    the baseline train under the same autocast. Writes the JSON to `json_path` and a plot
+    to `plot_path`. `start_method`: how `ah.launch` starts the ranks (None: spawn on CUDA,
+    fork on CPU; under spawn a factory `model` must be a top-level function).
     """
     _check_cluster(cluster)
     job = _Job(source=_source(model, global_batch), global_batch=global_batch,
@@ -182,7 +192,7 @@ def bench(model: str | Callable[[], tuple], cluster: Cluster, *,
                plan=_typed("plan", plan, Plan), constraints=_typed("constraints", constraints,
                                                                   Constraints),
                optimizer=_optim(optimizer, lr), baselines=bool(baselines), seed=seed,
-               cluster=cluster)
+               cluster=cluster, dtype=_dtype(dtype))
     if plan is not None and constraints is not None:
         raise BenchError("ah.bench: pass plan= or constraints=, not both (a plan is "
                          "already decided; constraints steer a new search)")
@@ -217,6 +227,41 @@ class _Job:
     baselines: bool
     seed: int
     cluster: Cluster
+    dtype: str | None = None  # a dtype name ("bfloat16"), None: the model's own
+
+
+def _dtype(dtype: Any) -> str | None:
+    if dtype is None:
+        return None
+    if not isinstance(dtype, (str, torch.dtype)):
+        raise BenchError(f"ah.bench: dtype must be a torch.dtype or a name like 'bf16', got "
+                         f"{type(dtype).__name__}")
+    from .planning import dtype_name
+
+    return dtype_name(dtype, nn.Linear(1, 1))
+
+
+def _autocast_dtype(job: "_Job", model: nn.Module) -> torch.dtype | None:
+    """The autocast dtype `ah.compile(dtype=job.dtype)` gives this model (None: none)."""
+    if job.dtype is None:
+        return None
+    from .runtime.precision import mixed_compute_dtype
+
+    first = next(iter(model.parameters()), None)
+    return mixed_compute_dtype(getattr(torch, job.dtype),
+                               first.dtype if first is not None else torch.float32)
+
+
+def _under_autocast(step: Callable, device: torch.device, compute: torch.dtype | None
+                    ) -> Callable:
+    """`step` with its forward and loss under `torch.autocast(compute)` (eager AMP)."""
+    if compute is None:
+        return step
+
+    def run(inputs: tuple, targets: Any) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=compute):
+            return step(inputs, targets)
+    return run
 
 
 def _check_cluster(cluster: Any) -> None:
@@ -330,8 +375,10 @@ def _rank_main(rank: int, job: _Job) -> dict[str, Any]:
         raise BenchError(f"ah.bench: global_batch={job.global_batch} but the factory's "
                          f"batch has {batch} samples; make the factory build that batch")
     data = [(_to(i, device), _to(t, device)) for i, t in _batches(job, first)]
+    compute = _autocast_dtype(job, first.model)
     out: dict[str, Any] = {"batch": batch, "ref": first.ref,
-                           "tokens_per_sample": first.tokens_per_sample}
+                           "tokens_per_sample": first.tokens_per_sample,
+                           "autocast": str(compute).removeprefix("torch.") if compute else None}
     del first
     out["eager"] = _eager(rank, job, data, device, waiting)
     out["compiled"], plan = _compiled(rank, job, data, device)
@@ -361,13 +408,22 @@ def _eager(rank: int, job: _Job, data: list, device: torch.device, waiting: Any)
     w = _build(job)
     model = w.model.to(device)
     opt = job.optimizer(model.parameters())
+    compute = _autocast_dtype(job, model)
+    scaler = (torch.amp.GradScaler(device.type) if compute == torch.float16 else None)
 
     def step(inputs: tuple, targets: Any) -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
-        loss = w.loss_fn(model(*inputs), targets)
-        loss.backward()
-        opt.step()
-        return loss.detach()
+        with (torch.autocast(device.type, dtype=compute) if compute is not None
+              else contextlib.nullcontext()):
+            loss = w.loss_fn(model(*inputs), targets)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        return loss.detach().float()
 
     times, losses = _timed(step, data, rank, "eager", barrier=False)
     memory = _peak_memory(step, data[0], device, (model, opt))
@@ -382,7 +438,8 @@ def _compiled(rank: int, job: _Job, data: list, device: torch.device) -> tuple[d
     w = _build(job)
     compiled = ah_compile(w.model, job.cluster, w.inputs, loss_fn=w.loss_fn,
                           example_targets=w.targets, optimizer=job.optimizer, plan=job.plan,
-                          constraints=job.constraints, global_batch=job.global_batch)
+                          constraints=job.constraints, global_batch=job.global_batch,
+                          dtype=job.dtype)
     run = _measure(compiled.train_step, rank, data, device, compiled, "autohybrid")
     plan = compiled.plan
     del compiled
@@ -401,7 +458,8 @@ def _baseline(rank: int, job: _Job, data: list, device: torch.device, plan: Plan
     _reset_cuda(device)
     base = torch_baselines.build(choice, plan, w.model, w.loss_fn, job.optimizer, w.inputs,
                                  device)
-    run = _measure(base.train_step, rank, data, device, base, choice.name)
+    step = _under_autocast(base.train_step, device, _autocast_dtype(job, w.model))
+    run = _measure(step, rank, data, device, base, choice.name)
     del base
     gc.collect()
     return {"name": choice.name, "reason": "", "note": choice.note, **run}
@@ -412,8 +470,7 @@ def _measure(step: Callable, rank: int, data: list, device: torch.device, holder
     """Timed steps, then one profiled step for exposed communication and one for memory."""
     times, losses = _timed(step, data, rank, label, barrier=True)
     dist.barrier()
-    exposed, profiled, timeline = (None, None, None) if device.type == "cuda" else \
-        _exposed_comm(step, data[0], rank)
+    exposed, profiled, timeline = _exposed_comm(step, data[0], rank, device)
     dist.barrier()
     memory = _peak_memory(step, data[0], device, holder)
     dist.barrier()
@@ -451,7 +508,7 @@ def _reset_cuda(device: torch.device) -> None:
 
 
 # ---------------------------------------------------------------------- exposed communication
-def _exposed_comm(step: Callable, batch: tuple, rank: int
+def _exposed_comm(step: Callable, batch: tuple, rank: int, device: torch.device
                   ) -> tuple[float, float, dict[str, Any]]:
     """Exposed communication of one profiled step on this rank (see the module docstring),
     that step's duration (the profiler slows a step: read the two together) and its
@@ -461,7 +518,9 @@ def _exposed_comm(step: Callable, batch: tuple, rank: int
     from .report.timeline import clip, subtract, total, union
     from .runtime.profile import timeline_from_events
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
+                                           else [])
+    with profile(activities=activities) as prof:
         with record_function(_STEP):
             float(step(*batch))
     events = prof.events()
@@ -469,8 +528,9 @@ def _exposed_comm(step: Callable, batch: tuple, rank: int
     span = timeline.intervals(rank, "step", 0)[0]
     within = lambda kind: union(clip((iv.start_s, iv.end_s), span.start_s, span.end_s)  # noqa: E731
                                 for iv in timeline.intervals(rank, kind, 0))
-    waits = [(e.time_range.start / 1e6, e.time_range.end / 1e6) for e in events
-             if e.name == _FUNCTIONAL_WAIT]
+    waits = [] if span.args.get("device") == "cuda" else [  # CUDA: compute is kernels
+        (e.time_range.start / 1e6, e.time_range.end / 1e6) for e in events
+        if e.name == _FUNCTIONAL_WAIT]
     compute = subtract(within("compute"), waits)
     return (total(subtract(within("communication"), compute)), span.end_s - span.start_s,
             timeline.to_dict())
@@ -586,6 +646,7 @@ def aggregate(per_rank: list[dict[str, Any]], job: _Job, optimizer: str,
         lr=job.optimizer.kwargs["lr"], plan=r0["plan"], predicted=predicted,
         runs=[eager, compiled, baseline], loss_check=compiled.loss_vs_eager,
         prediction_check=_prediction_check(predicted["step_time_s"], compiled.median_s),
+        dtype=job.dtype or "float32", autocast=r0.get("autocast"),
         full_plan=r0.get("full_plan", {}), measured_timeline=_merged_timeline(
             [r["compiled"].get("timeline") for r in per_rank]))
 
@@ -614,7 +675,7 @@ def _run(name: str, kind: str, ranks: list[dict], warmup: int, batch: int,
                peak_memory_bytes=[int(r["memory"]) for r in ranks], memory_measure=measure,
                exposed_comm_s=None if unknown else max(exposed),
                exposed_comm_per_rank_s=[] if unknown else exposed,
-               exposed_comm_note=_NO_CUDA_TIMELINE if unknown else "",
+               exposed_comm_note=_NO_TIMELINE if unknown else "",
                profiled_step_s=max((r["profiled"] for r in ranks if r.get("profiled")),
                                    default=None),
                losses=list(ranks[0]["losses"]))

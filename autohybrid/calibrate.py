@@ -32,6 +32,11 @@ from .hardware import LinkSpec
 
 PROFILE_VERSION = 1
 ALL_REDUCE_SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
+#: matmuls timed on CPU (squares) and on CUDA: large squares and GPT-1.3B-like shapes
+#: (tokens × hidden against hidden × 3·hidden / 4·hidden, and back), m×k @ k×n as (m, k, n)
+CPU_MATMULS: tuple = (256, 512, 1024)
+CUDA_MATMULS: tuple = (4096, 8192, (8192, 2048, 6144), (8192, 2048, 8192), (8192, 8192, 2048))
+CUDA_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -109,28 +114,48 @@ def _timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_matmul(size: int, dtype: torch.dtype, repeats: int = 5, device: str = "cpu") -> float:
-    """Achieved FLOP/s of a square matmul of `size`."""
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+def measure_matmul(size: int | Sequence[int], dtype: torch.dtype, repeats: int = 5,
+                   device: str = "cpu") -> float:
+    """Achieved FLOP/s of an (m, k) @ (k, n) matmul, `size` an int (a square) or (m, k, n).
 
-    def run():
-        torch.mm(a, b)
-        sync()
-    return 2 * size**3 / _timed(run, repeats)
+    On CUDA each timing is CUDA events around several back-to-back matmuls after a
+    synchronize (kernels are asynchronous: a host clock around one launch measures the
+    launch), the median over `repeats`; on CPU the host clock around one matmul."""
+    m, k, n = (size, size, size) if isinstance(size, int) else tuple(size)
+    flops = 2 * m * k * n
+    if not device.startswith("cuda"):
+        a = torch.randn(m, k, device=device).to(dtype)
+        b = torch.randn(k, n, device=device).to(dtype)
+        return flops / _timed(lambda: torch.mm(a, b), repeats)
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    return flops / cuda_time(lambda: torch.mm(a, b), repeats)
+
+
+def cuda_time(fn, repeats: int, inner: int = 10) -> float:
+    """Seconds per call of `fn` on the current CUDA device: a warm-up, then per repeat
+    `inner` calls between two CUDA events (synchronized), the median."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(inner):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / inner)
+    return statistics.median(times)
 
 
 def measure_bandwidth(numel: int = 1 << 23, repeats: int = 5, device: str = "cpu") -> float:
     """Bytes/s of `out = a + b` on float32 tensors (two reads, one write)."""
     a, b = torch.randn(numel, device=device), torch.randn(numel, device=device)
     out = torch.empty_like(a)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-
-    def run():
-        torch.add(a, b, out=out)
-        sync()
-    return 3 * 4 * numel / _timed(run, repeats)
+    run = lambda: torch.add(a, b, out=out)  # noqa: E731
+    seconds = cuda_time(run, repeats) if device.startswith("cuda") else _timed(run, repeats)
+    return 3 * 4 * numel / seconds
 
 
 def measure_launch_overhead(ops: int = 1000, repeats: int = 5, device: str = "cpu") -> float:
@@ -190,7 +215,7 @@ def _time_all_reduce(sizes: Sequence[int], repeats: int) -> list[float]:
     return out
 
 
-def _measure(rank: int, matmul_sizes: Sequence[int], dtypes: Sequence[torch.dtype],
+def _measure(rank: int, matmul_sizes: Sequence, dtypes: Sequence[torch.dtype],
              repeats: int, all_reduce_sizes: Sequence[int], device: str) -> dict:
     """One rank's figures; all ranks measure at once, as they will train (contention)."""
     flops = {str(d).removeprefix("torch."): max(measure_matmul(s, d, repeats, device)
@@ -202,13 +227,22 @@ def _measure(rank: int, matmul_sizes: Sequence[int], dtypes: Sequence[torch.dtyp
     return result
 
 
-def calibrate(cluster: Cluster | None = None, *, matmul_sizes: Sequence[int] = (256, 512, 1024),
-              dtypes: Sequence[torch.dtype] = (torch.float32,), repeats: int = 5,
+def calibrate(cluster: Cluster | None = None, *, matmul_sizes: Sequence | None = None,
+              dtypes: Sequence[torch.dtype] | None = None, repeats: int = 5,
               all_reduce_sizes: Sequence[int] = ALL_REDUCE_SIZES,
               start_method: str | None = None) -> Profile:
     """Measure this machine, per rank of `cluster` (one process per rank when local;
-    `start_method` as for `ah.launch`: None is spawn on CUDA, fork on CPU)."""
+    `start_method` as for `ah.launch`: None is spawn on CUDA, fork on CPU).
+
+    `matmul_sizes`: ints (squares) or (m, k, n); default `CPU_MATMULS` on CPU,
+    `CUDA_MATMULS` on CUDA. `dtypes`: default float32 on CPU, float32 and bfloat16 on CUDA;
+    each dtype's figure is its best shape's."""
     device = "cuda" if cluster is not None and cluster.device_type == "cuda" else "cpu"
+    on_cuda = device == "cuda"
+    if matmul_sizes is None:
+        matmul_sizes = CUDA_MATMULS if on_cuda else CPU_MATMULS
+    if dtypes is None:
+        dtypes = CUDA_DTYPES if on_cuda else (torch.float32,)
     args = (tuple(matmul_sizes), tuple(dtypes), repeats, tuple(all_reduce_sizes), device)
     ranks = 1 if cluster is None else cluster.world_size
     with logs.progress(None, f"calibrating on {ranks} process(es)") as bar:

@@ -101,6 +101,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"))
     bench.add_argument("--lr", type=float, default=None,
                        help="learning rate (default 0.01 for sgd, 1e-3 for adamw)")
+    bench.add_argument("--dtype", default=None,
+                       help="training dtype (default: the model's, float32); bf16 / fp16 "
+                            "over float32 parameters is mixed precision (autocast), eager "
+                            "and the baseline run under the same autocast")
     bench.add_argument("--no-baselines", action="store_true",
                        help="skip the hand-written PyTorch baseline")
     bench.add_argument("--out", default=None, help="write the results JSON to this file")
@@ -451,9 +455,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         check_outputs(args)
         cluster = Cluster.parse(args.cluster, nodes=args.nodes)
         spec = _spec(args.model, args.seq)
-        plan = _run_plan(args.plan, spec, cluster, None, "bench")
+        plan = _run_plan(args.plan, spec, cluster, args.dtype, "bench")
         result = bench(spec.ref, cluster, global_batch=args.global_batch, steps=args.steps,
-                       warmup=args.warmup, plan=plan,
+                       warmup=args.warmup, plan=plan, dtype=args.dtype,
                        constraints=_constraints(args.constrain) if args.constrain else None,
                        optimizer=args.optimizer, lr=args.lr, baselines=not args.no_baselines,
                        json_path=args.out, plot_path=args.plot,

@@ -235,13 +235,13 @@ def test_aggregate_takes_the_slowest_rank_and_reports_na():
     assert data["runs"][2]["reason"] == "sequence parallelism: why"
     table = result.format_table()
     assert "n/a: sequence parallelism: why" in table and "eager" in table
-    # a baseline measured without a timeline (CUDA) says so instead of a number
+    # a baseline measured without a timeline says so instead of a number
     base_raw = {"name": "DTensor", "reason": "",
                 **_rank([9, 0.05, 0.05, 0.05], [x + 0.1 for x in losses], 50, None)}
     result = aggregate([{**r0, "baseline": base_raw}, {**r1, "baseline": base_raw}], _job(),
                        "sgd")
     base = result.run("DTensor")
-    assert base.available and base.exposed_comm_s is None and "CUDA" in base.exposed_comm_note
+    assert base.available and base.exposed_comm_s is None and "no timeline" in base.exposed_comm_note
     assert not base.loss_vs_eager["ok"] and base.loss_vs_eager["max_abs_diff"] == \
         pytest.approx(0.1)
     row = next(l for l in result.format_table().splitlines() if l.startswith("autohybrid"))
@@ -250,6 +250,32 @@ def test_aggregate_takes_the_slowest_rank_and_reports_na():
     assert not check["ok"] and check["max_abs_diff"] == pytest.approx(0.1)
     assert not loss_check([math.nan], [4.0], 1e-5)["ok"]
     assert not loss_check([4.0], [4.0, 3.9], 1e-5)["ok"]
+
+
+def test_dtype_is_the_compiled_runs_autocast_for_every_variant():
+    """bench(dtype='bf16') asks ah.compile for dtype bfloat16 and runs eager and the
+    baseline under the same autocast; float32 (the parameters' own) means none."""
+    from autohybrid.bench import _autocast_dtype, _dtype, _under_autocast
+
+    model = torch.nn.Linear(4, 4)
+    job = _job()
+    job.dtype = _dtype("bf16")
+    assert job.dtype == "bfloat16" and _autocast_dtype(job, model) == torch.bfloat16
+    job.dtype = _dtype(torch.float32)
+    assert _autocast_dtype(job, model) is None
+    seen = []
+    step = _under_autocast(lambda i, t: seen.append(torch.get_autocast_dtype("cpu"))
+                           or torch.is_autocast_enabled("cpu"), torch.device("cpu"),
+                           torch.bfloat16)
+    assert step((), None) and seen == [torch.bfloat16]
+
+
+def test_cli_bench_takes_dtype():
+    from autohybrid.cli import _parser
+
+    args = _parser().parse_args(["bench", "gpt-tiny", "--dtype", "bf16"])
+    assert args.dtype == "bf16"
+    assert _parser().parse_args(["bench", "gpt-tiny"]).dtype is None
 
 
 def test_step_stats():
@@ -307,6 +333,10 @@ def test_bad_input_is_refused_before_any_process():
         bench(MODEL, local, lr=-1.0)
     with pytest.raises(BenchError, match="global_batch"):
         bench(MODEL, local, global_batch=0)
+    with pytest.raises(BenchError, match="dtype"):
+        bench(MODEL, local, dtype=16)
+    with pytest.raises(ah.PlanError, match="not supported"):
+        bench(MODEL, local, dtype="int8")
     with pytest.raises(BenchError, match="constraints"):
         bench(MODEL, local, constraints={"dp": 2})
     plan, _ = _plan(2, dp=2, tp=1, pp=1)

@@ -121,3 +121,38 @@ def test_calibrate_measures_two_local_ranks_and_plans_use_it():
     assert plain.calibration_hash is None and slow_plan.calibration_hash == slow.hash()
     # 1000× slower figures; per-op launch overhead (not in these profiles) is the same
     assert slow_plan.predicted.compute_s > 10 * fast_plan.predicted.compute_s
+
+
+def test_cuda_calibration_times_bf16_transformer_gemms_with_cuda_events(monkeypatch):
+    """On CUDA the defaults are bf16 (and fp32) matmuls of 4096-8192 squares and GPT-shaped
+    (m, k, n) products, each timed by CUDA events (`cuda_time`); CPU keeps small squares."""
+    import types
+
+    import torch
+
+    import importlib
+
+    cal = importlib.import_module("autohybrid.calibrate")
+    seen = {}
+
+    def fake_measure(rank, sizes, dtypes, repeats, ar_sizes, device):
+        seen.update(sizes=sizes, dtypes=dtypes, device=device)
+        return {"flops": {"bfloat16": 5e14, "float32": 5e13}, "bandwidth": 4e12,
+                "launch_s": 1e-5}
+    monkeypatch.setattr(cal, "_measure", fake_measure)
+    gpu = types.SimpleNamespace(device_type="cuda", world_size=1)
+    profile = calibrate(gpu)
+    assert seen["device"] == "cuda" and torch.bfloat16 in seen["dtypes"]
+    assert seen["sizes"] == cal.CUDA_MATMULS and 8192 in seen["sizes"]
+    assert any(isinstance(s, tuple) for s in seen["sizes"])
+    assert profile.matmul_flops["bfloat16"] == 5e14
+    calibrate(None)
+    assert seen["device"] == "cpu" and seen["sizes"] == cal.CPU_MATMULS
+    timed = []
+    monkeypatch.setattr(cal, "cuda_time", lambda fn, repeats: timed.append(fn) or 1e-3)
+    monkeypatch.setattr(cal.torch, "randn", lambda *s, **kw: torch.ones(*s[:2]))
+    assert cal.measure_matmul((64, 32, 16), torch.bfloat16, 3, "cuda") == \
+        pytest.approx(2 * 64 * 32 * 16 / 1e-3)
+    assert len(timed) == 1
+    monkeypatch.undo()
+    assert cal.measure_matmul((64, 32, 16), torch.float32, 2, "cpu") > 0

@@ -43,8 +43,18 @@ a run of `autograd::engine::evaluate_function` events (on CPU autograd runs on t
 calling thread), optimizer an `Optimizer.step`/`Optimizer.zero_grad` event, forward the
 compute before a backward, after-backward the rest (loss and gradient sums, scaling).
 Exposed communication per step is then the communication time not covered by compute
-(`Timeline.summary`). On CUDA the kernels run asynchronously on streams and autograd on
-its device threads: this measures CPU runs (gloo) only.
+(`Timeline.summary`).
+
+On CUDA (the compiled model's device, or `activities` given) the profiler also records
+device events (`ProfilerActivity.CUDA`): kernels with their stream, NCCL's transfers
+among them as `ncclDevKernel_*` kernels on NCCL's stream (report/device_events.py sorts
+them: a pure function over `(name, device, stream, start, end)` tuples). Where a step has
+device kernels, its compute intervals are the compute kernels and its communication
+intervals the NCCL kernels (phase: the host phase when the kernel started, an
+approximation since kernels lag their launch), the step span reaches the last kernel,
+and the exposed communication (`Timeline.summary`) is NCCL kernel time not overlapped by
+compute kernels on other streams. A kernel belongs to the step its start falls in (from
+one step range's start to the next one's).
 
 Times are the profiler's, on the kineto trace clock (epoch nanoseconds), the same clock
 in every process of a machine; across machines they are as close as the clocks are.
@@ -60,6 +70,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from ..errors import AutohybridError
+from ..report.device_events import DeviceEvent, classify_device_events, comm_op
 from ..report.timeline import Interval, Timeline, gather, merge, subtract, union
 from .batch_agreement import AGREEMENT_RANGE
 
@@ -89,7 +100,7 @@ def profile_steps(compiled: Any, batches: Sequence[Any], steps: int | None = Non
     for j in range(warmup):
         _step(compiled, batches[j % len(batches)], step_kwargs)
     losses: list[float] = []
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=activities_for(compiled)) as prof:
         for k in range(steps):
             with record_function(f"{STEP_PREFIX}{k}"):
                 loss = _step(compiled, batches[k % len(batches)], step_kwargs)
@@ -104,6 +115,30 @@ def profile_steps(compiled: Any, batches: Sequence[Any], steps: int | None = Non
     if plan is not None:
         local.meta.update(plan=plan.summary(), world_size=plan.world_size)
     return gather(local) if gather_ranks else merge([local])
+
+
+def activities_for(compiled: Any) -> list[ProfilerActivity]:
+    """CPU, plus CUDA where `compiled` runs on a CUDA device."""
+    device = getattr(compiled, "device", None)
+    on_cuda = getattr(device, "type", str(device or "")).startswith("cuda")
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+
+
+def device_events(events: Sequence[Any]) -> list[DeviceEvent]:
+    """The device-side (CUDA) kernels among profiler events as plain tuples
+    `(name, "cuda", stream, start_us, end_us)`; record_function ranges mirrored onto the
+    device timeline (user annotations) are left out."""
+    out = []
+    for e in events:
+        if not str(getattr(e, "device_type", "CPU")).upper().endswith("CUDA"):
+            continue
+        if getattr(e, "is_user_annotation", False):
+            continue
+        stream = getattr(e, "device_resource_id", None)
+        stream = e.thread if stream is None else stream
+        out.append((e.name, "cuda", int(stream), float(e.time_range.start),
+                    float(e.time_range.end)))
+    return out
 
 
 def _step(compiled: Any, batch: Any, kwargs: dict[str, Any]) -> torch.Tensor:
@@ -136,8 +171,10 @@ def timeline_from_events(events: Sequence[Any], rank: int, trace_start_s: float 
                          losses: Sequence[float] = ()) -> Timeline:
     """This rank's `Timeline` from `torch.profiler` events (`prof.events()`), whose steps
     are `record_function("ah::step<k>")` ranges (see the module docstring)."""
+    kernels = device_events(events)
     evs = [_Ev(e.name, float(e.time_range.start), float(e.time_range.end), e.thread)
-           for e in events]
+           for e in events
+           if not str(getattr(e, "device_type", "CPU")).upper().endswith("CUDA")]
     step_evs = sorted((e for e in evs if e.name.startswith(STEP_PREFIX)), key=lambda e: e.start)
     if not step_evs:
         raise AutohybridError("no 'ah::step' ranges among the profiler's events")
@@ -153,6 +190,12 @@ def timeline_from_events(events: Sequence[Any], rank: int, trace_start_s: float 
     for k, step in enumerate(step_evs):
         lo, hi = step.start, step.end
         args = {"loss": losses[k]} if k < len(losses) else {}
+        upto = step_evs[k + 1].start if k + 1 < len(step_evs) else float("inf")
+        mine_k = [d for d in kernels if lo <= d[3] < upto]
+        if mine_k:
+            phases = _phases([e for e in on_main if e.start >= lo and e.end <= hi], lo, hi)
+            out += _device_step(mine_k, k, lo, hi, args, phases, to_s)
+            continue
         out.append(Interval("step", f"step {k}", to_s(lo), to_s(hi), k, "", args))
         inside = lambda e: e.start >= lo and e.end <= hi  # noqa: E731
         mine = [c for c in comms if lo <= c[0] <= hi]
@@ -178,6 +221,22 @@ def timeline_from_events(events: Sequence[Any], rank: int, trace_start_s: float 
                                 _phase_at(phases, start), extra))
     out.sort(key=lambda iv: (iv.step, iv.start_s, iv.kind != "step"))
     return Timeline("measured", {rank: out}, {"trace_start_s": trace_start_s})
+
+
+def _device_step(kernels: list[DeviceEvent], k: int, lo: float, hi: float, args: dict,
+                 phases: list[tuple[str, float, float]], to_s: Any) -> list[Interval]:
+    """Step `k`'s intervals from its device kernels (module docstring)."""
+    split = classify_device_events(kernels)
+    end = max([hi] + [d[4] for d in kernels])
+    args = dict(args, device="cuda", exposed_comm_us=round(split.exposed_total, 3))
+    out = [Interval("step", f"step {k}", to_s(lo), to_s(end), k, "", args)]
+    for a, b in split.compute_spans:
+        out.append(Interval("compute", _phase_at(phases, a), to_s(a), to_s(b), k,
+                            _phase_at(phases, a)))
+    for name, stream, a, b in split.communication:
+        out.append(Interval("communication", comm_op(name), to_s(a), to_s(b), k,
+                            _phase_at(phases, a), {"kernel": name, "stream": stream}))
+    return out
 
 
 def _op(name: str) -> str:
