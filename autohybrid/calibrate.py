@@ -203,13 +203,23 @@ def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], ranks: int) -
     return intercept / c, beta
 
 
-def _time_all_reduce(sizes: Sequence[int], repeats: int) -> list[float]:
+def _rank_device(device: str) -> torch.device:
+    """This rank's device of type `device` (cuda: the current one, set by the launch)."""
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" \
+        else torch.device(device)
+
+
+def _time_all_reduce(sizes: Sequence[int], repeats: int, device: str = "cpu") -> list[float]:
+    """Seconds per all-reduce of each size, on `device` (NCCL takes CUDA tensors only),
+    the device synchronized after each so the time is the collective's, not its launch."""
     out = []
     for nbytes in sizes:
-        t = torch.zeros(nbytes // 4)
+        t = torch.zeros(nbytes // 4, device=device)
 
         def run():
             dist.all_reduce(t)
+            if t.is_cuda:
+                torch.cuda.synchronize(t.device)
         dist.barrier()
         out.append(_timed(run, repeats))
     return out
@@ -223,7 +233,8 @@ def _measure(rank: int, matmul_sizes: Sequence, dtypes: Sequence[torch.dtype],
     result = {"flops": flops, "bandwidth": measure_bandwidth(repeats=repeats, device=device),
               "launch_s": measure_launch_overhead(repeats=repeats, device=device)}
     if dist.is_initialized() and dist.get_world_size() > 1:
-        result["all_reduce_s"] = _time_all_reduce(all_reduce_sizes, max(repeats, 20))
+        result["all_reduce_s"] = _time_all_reduce(all_reduce_sizes, max(repeats, 20),
+                                                  _rank_device(device))
     return result
 
 

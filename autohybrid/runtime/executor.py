@@ -25,6 +25,7 @@ says whether any rank's gradients overflowed (the step is then skipped everywher
 """
 from __future__ import annotations
 
+from .comm_device import comm_device
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -143,7 +144,7 @@ class Executor:
             scale = 1.0 / totals[1]
             loss = totals[0] / totals[1]
         else:
-            scale = torch.ones((), dtype=torch.float64)
+            scale = totals.new_ones(())
             loss = totals[0]
         dtype = pipeline.loss_dtype if pipeline is not None else numerator.dtype
         grad_scale = (scale / loss_scale if loss_scale is not None else scale).to(dtype)
@@ -168,7 +169,8 @@ class Executor:
         do); the same number on every rank."""
         if loss_kind != "mean":
             return 1.0
-        count = torch.tensor(float(tensors[0].numel()), dtype=torch.float64)
+        count = torch.tensor(float(tensors[0].numel()), dtype=torch.float64,
+                             device=comm_device(self.dp_group))
         if local and self.dp_group is not None and self.dp > 1:
             dist.all_reduce(count, group=self.dp_group)
         return max(float(count), 1.0)

@@ -10,6 +10,7 @@ rank calls it.
 """
 from __future__ import annotations
 
+from .comm_device import comm_device
 from typing import Any
 
 import torch
@@ -63,7 +64,7 @@ def squared_grad_norm(c: Any) -> torch.Tensor:
         total = c.sharded.squared_norm(squares, weights)
     else:
         total = sum((weights.get(name, 1.0) * sq for name, sq in squares.items()),
-                    torch.zeros((), dtype=torch.float64))
+                    torch.zeros((), dtype=torch.float64, device=comm_device()))
     if c._owned is not None and c.mesh is not None:
         dist.all_reduce(total, group=c.mesh.get_group("pp"))
     return total

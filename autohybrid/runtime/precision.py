@@ -21,6 +21,7 @@ gradients overflow too: `found_inf`), as GradScaler skips it.
 """
 from __future__ import annotations
 
+from .comm_device import comm_device
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -91,7 +92,9 @@ def refuse_nonfinite_loss(loss: torch.Tensor, skipped: bool, step: int) -> None:
 def any_nonfinite(grads: Iterable[torch.Tensor | None]) -> bool:
     """Whether any rank's gradients hold an inf or NaN (every rank gets the same answer)."""
     flags = [torch.logical_not(torch.isfinite(g)).any() for g in grads if g is not None]
-    found = torch.stack(flags).any().to(torch.int32) if flags else torch.zeros((), dtype=torch.int32)
+    found = (torch.stack(flags).any().to(torch.int32) if flags  # a rank with no gradients:
+             else torch.zeros((), dtype=torch.int32, device=comm_device()))  # (NCCL)
+    found = found.to(comm_device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
     return bool(found.item())

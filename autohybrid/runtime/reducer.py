@@ -45,6 +45,7 @@ bucket once, when its counts are reached.
 """
 from __future__ import annotations
 
+from .comm_device import comm_device
 import logging
 import time
 from contextlib import contextmanager
@@ -277,7 +278,7 @@ class GradReducer:
             for k, i in enumerate(order):
                 position[i] = k
             mine = torch.tensor(counts + position, dtype=torch.int64,
-                                device=self.params[0].device if self.params else "cpu")
+                                device=comm_device(self.group))
             both = torch.cat([mine, -mine])
             dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
             agreed = torch.equal(both[:len(mine)], -both[len(mine):])

@@ -9,6 +9,7 @@ gradient norm. Parameters the tp axis does not split stay the model's own.
 """
 from __future__ import annotations
 
+from .comm_device import comm_device
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -106,8 +107,8 @@ class ShardedParameters:
         rest once (every tp rank holds the same); each term times `weights[name]`
         (default 1)."""
         weights = weights or {}
-        split = torch.zeros((), dtype=torch.float64)
-        whole = torch.zeros((), dtype=torch.float64)
+        split = torch.zeros((), dtype=torch.float64, device=comm_device(self.group))
+        whole = torch.zeros((), dtype=torch.float64, device=split.device)
         for name, sq in squares.items():
             sq = sq * weights.get(name, 1.0)
             if name in self.specs:
