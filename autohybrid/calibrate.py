@@ -114,6 +114,12 @@ def _timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def device_time(fn, repeats: int, device: str = "cpu") -> float:
+    """Seconds per call of `fn` on `device`: CUDA events on a GPU (`cuda_time`), the host
+    clock's median after a warm-up elsewhere (`_timed`)."""
+    return cuda_time(fn, repeats) if str(device).startswith("cuda") else _timed(fn, repeats)
+
+
 def measure_matmul(size: int | Sequence[int], dtype: torch.dtype, repeats: int = 5,
                    device: str = "cpu") -> float:
     """Achieved FLOP/s of an (m, k) @ (k, n) matmul, `size` an int (a square) or (m, k, n).
@@ -126,10 +132,10 @@ def measure_matmul(size: int | Sequence[int], dtype: torch.dtype, repeats: int =
     if not device.startswith("cuda"):
         a = torch.randn(m, k, device=device).to(dtype)
         b = torch.randn(k, n, device=device).to(dtype)
-        return flops / _timed(lambda: torch.mm(a, b), repeats)
-    a = torch.randn(m, k, device=device, dtype=dtype)
-    b = torch.randn(k, n, device=device, dtype=dtype)
-    return flops / cuda_time(lambda: torch.mm(a, b), repeats)
+    else:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+    return flops / device_time(lambda: torch.mm(a, b), repeats, device)
 
 
 def cuda_time(fn, repeats: int, inner: int = 10) -> float:
@@ -154,8 +160,7 @@ def measure_bandwidth(numel: int = 1 << 23, repeats: int = 5, device: str = "cpu
     a, b = torch.randn(numel, device=device), torch.randn(numel, device=device)
     out = torch.empty_like(a)
     run = lambda: torch.add(a, b, out=out)  # noqa: E731
-    seconds = cuda_time(run, repeats) if device.startswith("cuda") else _timed(run, repeats)
-    return 3 * 4 * numel / seconds
+    return 3 * 4 * numel / device_time(run, repeats, device)
 
 
 def measure_launch_overhead(ops: int = 1000, repeats: int = 5, device: str = "cpu") -> float:

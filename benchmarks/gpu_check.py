@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -181,16 +180,8 @@ def roofline_of(out: Path) -> dict[str, Any]:
 
 def seconds(fn: Callable[[], Any], dev: str, reps: int = 5) -> float:
     """Median seconds per call (CUDA events on a GPU, wall clock on CPU)."""
-    if dev == "cuda":
-        from autohybrid.calibrate import cuda_time
-        return cuda_time(fn, reps)
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    from autohybrid.calibrate import device_time
+    return device_time(fn, reps, dev)
 
 
 # ------------------------------------------------------------------ (a) roofline
