@@ -63,7 +63,7 @@ _import_triton_for_its_interpreter()
 #: every tensor handed to a collective is checked to be on the compiled model's device
 #: (autohybrid/runtime/device_check.py): in every rank of every multi-process test (the
 #: warm ranks of tests/_pool.py and ah.launch's read the test process's environment at
-#: each run) and in this process's compiled models. Set it to 0 to run without.
+#: each run; torchrun's inherit it too). Set it to 0 to run without.
 os.environ.setdefault("AUTOHYBRID_CHECK_COLLECTIVE_DEVICES", "1")
 
 

@@ -7,7 +7,9 @@ it 3 steps next to an eager copy whose forward runs under `torch.autocast` (with
 `torch.amp.GradScaler` of the same settings for fp16), comparing the loss, the gathered
 gradients and the parameters after every step: at dp 2 (with ZeRO), pp 2, tp 2 + sp,
 and with the gradient reduction in bf16. fp16 cases start from a loss scale that
-overflows, so the skipped steps, the back-off and the growth are exercised.
+overflows, so the skipped steps, the back-off and the growth are exercised. One case at
+pp 2 × dp 2 freezes the first stage's parameters: its ranks hold no gradient and no
+trained parameter through fp16 loss scaling, clipping and local=True batches.
 """
 from __future__ import annotations
 
