@@ -42,6 +42,7 @@ from .runtime.fit import FitResult, build_scheduler, fit
 from .runtime.failures import record_step
 from .runtime.capture_share import capture_once
 from .runtime.comm_device import bind as bind_comm_device
+from .runtime.device_check import from_env as check_collective_devices
 from .runtime.safetensors_io import export_safetensors, import_safetensors
 from .runtime.checkpoint_state import (guard_optimizer_load, hook_whole_loads, load_compiled,
                                        save_compiled)
@@ -295,6 +296,7 @@ class CompiledModel:
         else:
             self.device = torch.device("cpu")
         bind_comm_device(self.device)  # the runtime's own collective tensors live here
+        check_collective_devices()  # AUTOHYBRID_CHECK_COLLECTIVE_DEVICES=1: against it
 
     def _trained_params(self) -> dict[str, nn.Parameter]:
         """The parameters this rank trains by canonical name: the model's own, or its

@@ -166,9 +166,11 @@ def _worker(rank: int, world: int, conn: Any, parent_pid: int) -> None:
             dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                                     world_size=world,
                                     timeout=ah.runtime.launch._collective_timeout())
+            ah.runtime.device_check.from_env()  # conftest sets it: on in every run
             try:
                 result = main(rank, *args)
             finally:
+                ah.runtime.device_check.disable()  # the next run starts from its own env
                 dist.destroy_process_group()
             conn.send_bytes(pickle.dumps(
                 ("ok" if _code_fingerprint() == code else "changed", result)))

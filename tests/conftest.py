@@ -60,6 +60,12 @@ def _import_triton_for_its_interpreter() -> None:
 
 _import_triton_for_its_interpreter()
 
+#: every tensor handed to a collective is checked to be on the compiled model's device
+#: (autohybrid/runtime/device_check.py): in every rank of every multi-process test (the
+#: warm ranks of tests/_pool.py and ah.launch's read the test process's environment at
+#: each run; torchrun's inherit it too). Set it to 0 to run without.
+os.environ.setdefault("AUTOHYBRID_CHECK_COLLECTIVE_DEVICES", "1")
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "procs: the test starts processes (not in make "

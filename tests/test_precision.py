@@ -7,11 +7,14 @@ it 3 steps next to an eager copy whose forward runs under `torch.autocast` (with
 `torch.amp.GradScaler` of the same settings for fp16), comparing the loss, the gathered
 gradients and the parameters after every step: at dp 2 (with ZeRO), pp 2, tp 2 + sp,
 and with the gradient reduction in bf16. fp16 cases start from a loss scale that
-overflows, so the skipped steps, the back-off and the growth are exercised.
+overflows, so the skipped steps, the back-off and the growth are exercised. One case at
+pp 2 × dp 2 freezes the first stage's parameters: its ranks hold no gradient and no
+trained parameter through fp16 loss scaling, clipping and local=True batches.
 """
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -39,9 +42,15 @@ def _loss(name: str):
 
 
 def _case(fails: Failures, world: int, name: str, dtype: torch.dtype, constraints,
-          optimizer, steps: int = 3) -> None:
+          optimizer, steps: int = 3, frozen: tuple[str, ...] = (), clip: float | None = None,
+          local: bool = False) -> Any:
+    """`frozen`: prefixes of parameters made requires_grad=False; `clip`: max_grad_norm
+    (eager: unscale_, clip_grad_norm_, step); `local`: each rank passes its own shard
+    (train_step(..., local=True))."""
     torch.manual_seed(0)
     model = ah.models.preset(name)
+    for n, p in model.named_parameters():
+        p.requires_grad_(not n.startswith(frozen) if frozen else True)
     ref = copy.deepcopy(model)
     batches = [ah.models.example_batch(name, 8, seed=100 + s) for s in range(steps)]
     loss_fn = _loss(name)
@@ -56,23 +65,33 @@ def _case(fails: Failures, world: int, name: str, dtype: torch.dtype, constraint
     fails.check(f"{where}: master weights are fp32",
                 all(p.dtype == torch.float32 for g in compiled.optimizer.param_groups
                     for p in g["params"]))
-    ref_opt = optimizer(list(ref.parameters()))
+    ref_opt = optimizer([p for p in ref.parameters() if p.requires_grad])
     scaler = torch.amp.GradScaler("cpu", **SCALER) if fp16 else None
     tol = TOLERANCE[dtype]
     skipped = 0
     for step, (inputs, targets) in enumerate(batches):
-        loss = compiled.train_step(inputs, targets)
+        if local:
+            loss = compiled.train_step(compiled.local_slice(inputs),
+                                       compiled.local_slice(targets), local=True,
+                                       max_grad_norm=clip)
+        else:
+            loss = compiled.train_step(inputs, targets, max_grad_norm=clip)
         for p in ref.parameters():
             p.grad = None
         with torch.autocast("cpu", dtype=dtype):
             expected = loss_fn(ref(*inputs), targets)
+        trained = [p for p in ref.parameters() if p.requires_grad]
         if scaler is None:
             expected.backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(trained, clip)
             ref_opt.step()
         else:
             scaler.scale(expected).backward()
             scaler.unscale_(ref_opt)
             inf = sum(v.item() for v in scaler._found_inf_per_device(ref_opt).values()) > 0
+            if clip is not None and not inf:
+                torch.nn.utils.clip_grad_norm_(trained, clip)
             scaler.step(ref_opt)
             scaler.update()
             fails.check(f"{where} step {step}: skipped {compiled.found_inf}, eager {inf}",
@@ -91,6 +110,7 @@ def _case(fails: Failures, world: int, name: str, dtype: torch.dtype, constraint
     if fp16:
         fails.check(f"{where}: {skipped} steps skipped (the first should overflow)",
                     0 < skipped < steps)
+    return compiled
 
 
 def _close(fails: Failures, what: str, actual, expected, tol) -> None:
@@ -129,6 +149,35 @@ def test_mixed_precision_matches_eager_autocast():
     ]
     results = pool_launch(_precision_rank, 2, args=(2, cases),
                         timeout_s=LAUNCH_TIMEOUT_S)
+    assert not any(results), report(results)
+
+
+#: gpt-tiny's embeddings and first block: the first pp stage holds no trained parameter
+FIRST_STAGE = ("tok_emb.", "pos_emb.", "blocks.0.")
+
+
+def _no_gradient_stage_rank(rank: int, world: int) -> list[str]:
+    """pp 2 × dp 2, the first stage's parameters all frozen: its ranks hold no gradient
+    and no trained parameter, yet join every collective of an fp16 step (the nonfinite
+    flag, the clipping norm's pp sum, the global count of local=True batches, the dp
+    reducer's bucket counts) on the compiled model's device (the device check is on)."""
+    fails = Failures()
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)
+    compiled = _case(fails, world, "gpt-tiny", torch.float16,
+                     C(dp=2, tp=1, pp=2, schedule="1f1b", num_microbatches=2), sgd,
+                     frozen=FIRST_STAGE, clip=0.5, local=True)
+    first = compiled.coords[0] == compiled.plan.stage_ranks()[0]
+    trained = [n for n, p in compiled._trained_params().items() if p.requires_grad]
+    fails.check(f"rank {rank} (pp {compiled.coords[0]}) trains {trained}: the first stage "
+                "none, the last some", bool(trained) != first)
+    fails.check("the device check ran", ah.runtime.device_check.enabled())
+    return fails
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+def test_a_pp_stage_without_gradients_runs_fp16_clipping_and_local_batches():
+    results = pool_launch(_no_gradient_stage_rank, 4, args=(4,), timeout_s=LAUNCH_TIMEOUT_S)
     assert not any(results), report(results)
 
 

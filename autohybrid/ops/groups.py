@@ -9,10 +9,21 @@ import torch.distributed as dist
 
 from ..errors import RuntimeFailure
 
-#: torch 2.13 renames the tensor forms of these collectives (the old names warn)
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
-                         or dist.reduce_scatter_tensor)
+
+def all_gather_single(output, input, group=None, async_op=False):  # noqa: A002
+    """`dist.all_gather_single` (torch 2.13's name; before: all_gather_into_tensor, which
+    2.13 warns on), looked up at each call, as every collective of autohybrid is (so a
+    wrapper over torch.distributed, runtime/device_check.py, sees it)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output, input, group=None, async_op=False):  # noqa: A002
+    """`dist.reduce_scatter_single` (torch 2.13; before: reduce_scatter_tensor), a sum,
+    looked up at each call."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(output, input, group=group, async_op=async_op)
+
 
 _GROUPS: dict[str, dist.ProcessGroup | None] = {}
 

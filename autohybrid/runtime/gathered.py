@@ -28,7 +28,7 @@ def clip_grad_norm(c: Any, max_norm: float, norm_type: float = 2.0) -> torch.Ten
     distributed = (c.sharded is not None or c._owned is not None
                    or c.zero is not None)
     if not grads and not distributed:
-        return torch.zeros(())
+        return torch.zeros((), device=c.device)  # the norm of no gradients, where they'd be
     if distributed:  # every rank joins the norm's collectives, with or without grads
         if norm_type != 2.0:
             raise AutohybridError(f"clip_grad_norm_ with tensor or pipeline parallelism "

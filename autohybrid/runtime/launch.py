@@ -48,6 +48,7 @@ from typing import Any, Callable, Iterator, TypeVar
 from autohybrid.errors import ClusterError, RankFailure, RuntimeFailure
 
 from . import spawn
+from .device_check import from_env as check_collective_devices
 from .failures import PROGRESS_ENV, enable_stack_dump, is_peer_error
 from .placement import process_group_device
 from .rank_watch import RankWatch
@@ -132,6 +133,7 @@ def _run_in_this_process(main: Callable[..., T], rank: int, ws: int, backend: st
             dist.init_process_group(backend, init_method=init_method, rank=rank,
                                     world_size=ws, timeout=group_timeout(), **bound)
         register_group(dist.group.WORLD)  # the step bound after the first step
+    check_collective_devices()  # AUTOHYBRID_CHECK_COLLECTIVE_DEVICES=1 (the suite sets it)
     try:
         return main(rank, *args)
     finally:

@@ -245,6 +245,8 @@ class PipelineRunner:
         `holders`: where the gradients are when not on the parameters (ZeRO shards)."""
         for name, group in self.shared_groups.items():
             param = (holders or self.state)[name]
+            if not param.requires_grad:  # frozen: no gradient, as in eager (on every rank)
+                continue
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, group=group)

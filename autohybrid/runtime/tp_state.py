@@ -78,7 +78,11 @@ class ShardedParameters:
         for key, value in model.state_dict(keep_vars=True).items():
             name = self.alias.get(key, key)
             mine = local.get(name, self.local.get(name))
-            if name in self.local:
+            if name in self.local and mine.is_meta:
+                # another pp stage's parameter of a meta model, never made here: meta on
+                # the whole tp group alike (one stage), taken from its stage by the merge
+                out[key] = mine.detach()
+            elif name in self.local:
                 out[key] = self.full(name, mine)
             else:
                 out[key] = (mine if mine is not None else value).detach().clone()
