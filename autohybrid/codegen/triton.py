@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import RuntimeFailure
+from ..errors import RuntimeFailure, VersionError
+from ..features import TRITON_SUPPORTED, _range
 from .ir import ROW, Program
 
 #: the longest row a reduction kernel holds in one tile (elements)
@@ -265,10 +266,29 @@ def signature(program: Program, rank: int, in_dtypes: list[torch.dtype],
 def compile_aot(path: str | Path, name: str, sig: dict[str, str], block_m: int = 4,
                 block_n: int = 256, arch: int = 90):
     """Compile kernel `name` of `path` for CUDA sm_`arch` without a GPU (to a cubin).
-    Run it in a process where TRITON_INTERPRET is unset."""
+    Run it in a process where TRITON_INTERPRET is unset. Uses Triton's compile API of
+    features.TRITON_SUPPORTED (`ASTSource(fn, signature, constexprs)` with constexprs by
+    name, `GPUTarget`); another raises VersionError naming the installed Triton."""
     import triton
     from triton.backends.compiler import GPUTarget
+    check_compile_api(triton.compiler.ASTSource, getattr(triton, "__version__", "?"))
     kernel = load_kernel(Path(path), name, interpret=False)
     src = triton.compiler.ASTSource(fn=kernel, signature=sig,
                                     constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n})
     return triton.compile(src, target=GPUTarget("cuda", arch, 32))
+
+
+def check_compile_api(source_class, version: str) -> None:
+    """Raise VersionError unless `source_class` (triton.compiler.ASTSource) takes
+    `fn`, `signature` and `constexprs` (Triton 3.2 on; 3.0 and 3.1 took `constants`)."""
+    import inspect
+    try:
+        params = set(inspect.signature(source_class).parameters)
+    except (TypeError, ValueError):
+        params = set()
+    missing = {"fn", "signature", "constexprs"} - params
+    if missing:
+        raise VersionError(
+            f"triton {version}: triton.compiler.ASTSource takes no {', '.join(sorted(missing))}"
+            f"; autohybrid's kernels compile with triton{_range(TRITON_SUPPORTED)}; install "
+            "the Triton of a torch in autohybrid's supported range")
