@@ -7,6 +7,7 @@ asks for, and sums a broadcast input's gradient inside the kernel into partials 
 of writing a full-size buffer per input.
 """
 import math
+import types
 
 import pytest
 import torch
@@ -155,3 +156,39 @@ def test_eager_backward_computes_only_wanted_gradients(monkeypatch):
     (want,) = torch.autograd.grad(torch.layer_norm(xr, [37], w, b, 1e-5).sum(), [xr])
     torch.testing.assert_close(g, want)
     assert math.isfinite(g.abs().sum().item())
+
+
+@pytest.mark.timeout(60)
+def test_tuned_launches_are_kept_on_disk_by_source_shape_and_device(monkeypatch, tmp_path):
+    """A launch tuned on a device is written to the tuning file under the kernel's
+    source, its shape class and the device's name; another process (here: a cleared
+    in-process memo) takes it without timing; another device or an unreadable file
+    times again."""
+    monkeypatch.setenv("AUTOHYBRID_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(tgen, "_TUNED", {})
+    path = tgen.write_source("tuning_probe", "def probe_kernel(x):\n    return x\n")
+    ns: dict = {}
+    exec(compile(path.read_text(), str(path), "exec"), ns)
+    kernel = types.SimpleNamespace(fn=ns["probe_kernel"])   # a kernel's plain function
+    timed = []
+
+    def timer(fn, config):
+        timed.append(config)
+        return -config[0]            # the most rows per program is the fastest
+
+    want = max(tgen.configs(64, 300, True))
+    got = tgen.tuned(kernel, 64, 300, True, lambda c: None, timer, "Fake GPU")
+    assert got == want and len(timed) == len(tgen.configs(64, 300, True))
+    assert tgen.tuning_file().exists()
+    monkeypatch.setattr(tgen, "_TUNED", {})
+    count = len(timed)
+    assert tgen.tuned(kernel, 60, 300, True, lambda c: None, timer, "Fake GPU") == want
+    assert len(timed) == count                         # from the file: no timing
+    tgen.tuned(kernel, 64, 300, True, lambda c: None, timer, "Other GPU")
+    assert len(timed) > count                          # another device: timed
+    monkeypatch.setattr(tgen, "_TUNED", {})
+    tgen.tuning_file().write_text("{not json")
+    count = len(timed)
+    assert tgen.tuned(kernel, 64, 300, True, lambda c: None, timer, "Fake GPU") == want
+    assert len(timed) > count                          # unreadable: timed, rewritten
+    assert tgen._saved()

@@ -193,7 +193,9 @@ def launch(kernel, program: Program, inputs: list[torch.Tensor],
             or os.environ.get("AUTOHYBRID_AUTOTUNE") == "0":
         run((*default, _warps(*default, rows_whole)))
     else:
-        run(tuned(kernel, R, N, rows_whole, run, time_launch))
+        device = inputs[0].device
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        run(tuned(kernel, R, N, rows_whole, run, time_launch, name))
     for i, tmp in staged:
         outputs[i].copy_(tmp)
 
@@ -223,17 +225,72 @@ def configs(R: int, N: int, rows_whole: bool) -> list[tuple[int, int, int]]:
 _TUNED: dict[tuple, tuple[int, int, int]] = {}
 
 
-def tuned(kernel, R: int, N: int, rows_whole: bool, run, timer) -> tuple[int, int, int]:
+def tuned(kernel, R: int, N: int, rows_whole: bool, run, timer, device: str | None = None
+          ) -> tuple[int, int, int]:
     """The fastest of `configs` for `kernel` at this shape class (rows and row length
     rounded up to powers of two; a reduction's exact row length), timed once per class
     with `timer(fn, config) -> seconds` (`fn` runs `run(config)`), then remembered (the
-    earlier config on a tie)."""
-    key = (id(kernel), _pow2(R), N if rows_whole else _pow2(N), rows_whole)
+    earlier config on a tie). With `device` (the GPU's name) the choice is also kept on
+    disk (`tuning_file`), keyed by the kernel's source, the shape class and the device:
+    a later process on that machine (every rank of the next run, or of this one once a
+    rank has tuned) takes it without timing. The config never changes a kernel's result
+    (`configs`), only its speed."""
+    shape = (_pow2(R), N if rows_whole else _pow2(N), rows_whole)
+    key = ((id(kernel),) if device is None else (_source_hash(kernel), device)) + shape
     if key not in _TUNED:
-        timed = [(timer(lambda c=c: run(c), c), i, c)
-                 for i, c in enumerate(configs(R, N, rows_whole))]
-        _TUNED[key] = min(timed)[2]
+        choices = configs(R, N, rows_whole)
+        saved = _saved().get("|".join(map(str, key))) if device is not None else None
+        if saved is not None and tuple(saved) in choices:
+            _TUNED[key] = tuple(saved)
+        else:
+            timed = [(timer(lambda c=c: run(c), c), i, c) for i, c in enumerate(choices)]
+            _TUNED[key] = min(timed)[2]
+            if device is not None:
+                _save("|".join(map(str, key)), _TUNED[key])
     return _TUNED[key]
+
+
+def tuning_file() -> Path:
+    """Where tuned launches are kept: <cache_dir()>/tuning.json."""
+    return cache_dir() / "tuning.json"
+
+
+_SOURCES: dict[int, tuple[object, str]] = {}
+
+
+def _source_hash(kernel) -> str:
+    import hashlib
+    import inspect
+    entry = _SOURCES.get(id(kernel))
+    if entry is None or entry[0] is not kernel:
+        fn = getattr(kernel, "fn", kernel)
+        text = getattr(kernel, "src", None) or inspect.getsource(fn)
+        entry = (kernel, hashlib.sha256(text.encode()).hexdigest()[:20])
+        _SOURCES[id(kernel)] = entry
+    return entry[1]
+
+
+def _saved() -> dict:
+    import json
+    try:
+        data = json.loads(tuning_file().read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}         # none yet, or unreadable: tune again (and rewrite it)
+
+
+def _save(key: str, config: tuple[int, int, int]) -> None:
+    import json
+    data = _saved()
+    data[key] = list(config)
+    path = tuning_file()
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass              # a read-only cache: tuned again by the next process
 
 
 def _gpu_time(fn, config) -> float:
