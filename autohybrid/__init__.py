@@ -6,7 +6,11 @@ processes; `ah.plan(...)` plans without processes (models on the meta device inc
 """
 from __future__ import annotations
 
-from . import init, logs, models
+from .features import check_versions
+
+check_versions()  # torch and Triton in the supported range (features.TORCH_SUPPORTED)
+
+from . import init, logs, models  # noqa: E402
 from .api import compile, plan
 from .bench import BenchResult, bench
 from .calibrate import Profile, calibrate
@@ -14,7 +18,7 @@ from .cluster import Cluster
 from .errors import (AutohybridError, CaptureError, CheckpointError, ClusterError,
                      InputError, ModelError, NoPlanFitsError, NotExecutableError,
                      NumericsError, PlanError, RankFailure, RankUnresponsive, RuntimeFailure,
-                     TrainingArgumentError, UserFunctionError)
+                     TrainingArgumentError, UserFunctionError, VersionError)
 from .plan import Constraints, Plan
 from .runtime import launch as _launch
 from .runtime.launch import launch
@@ -29,5 +33,5 @@ __all__ = [
     "ClusterError", "Constraints", "InputError", "ModelError", "Profile", "UserFunctionError",
     "bench", "calibrate",
     "NoPlanFitsError", "NotExecutableError", "NumericsError", "Plan", "PlanError", "RankFailure",
-    "RankUnresponsive", "RuntimeFailure", "TrainingArgumentError", "compile", "init", "launch", "models", "plan",
+    "RankUnresponsive", "RuntimeFailure", "TrainingArgumentError", "VersionError", "compile", "init", "launch", "models", "plan",
 ]

@@ -99,6 +99,11 @@ class TrainingArgumentError(AutohybridError, ValueError):
     `compiled.fit(...)`'s options, or a batch its loader yields."""
 
 
+class VersionError(AutohybridError):
+    """torch or Triton is outside the releases autohybrid supports, or this torch lacks
+    a private member the runtime relies on; the message names the release and the range."""
+
+
 class CheckpointError(AutohybridError):
     """A checkpoint cannot be written or read: incomplete, corrupted, of another model, or
     holding state this run cannot take; the message names the file or tensor."""

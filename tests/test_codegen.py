@@ -386,6 +386,7 @@ def test_every_kernel_compiles_for_sm90_and_keys_match_across_processes(tmp_path
     compiles to a cubin for sm_90, and the same region gets the same key."""
     key = _bias_gelu_key(symbolic=False)
     patterns = [(arith, [(2, 3, 37), (37,), (3, 1), (2, 1, 37)]), (unary, [(3, 45), (45,)]),
+                (arith, [(3, 37), (1,), (3, 1), (1, 37)]),   # gradients summed every way
                 (where_casts, [(4, 33), (4, 33)])]
     patterns += [(fn, [(2, 3, 37)] + [(37,)] * (n - 1)) for fn, n in REDUCTIONS.values()]
     keys = {fused.register_region(region(fn, *[torch.randn(s, dtype=dtype) for s in shapes]))
@@ -398,6 +399,8 @@ def test_every_kernel_compiles_for_sm90_and_keys_match_across_processes(tmp_path
             sources.add(info.forward_source.split(":", 1)[1])
             jobs += [(info.path, info.name, info.forward_signature),
                      (info.path, info.backward_name, info.backward_signature)]
+            jobs += [(info.path, name, info.backward_signature if "_bwd" in name
+                      else info.forward_signature) for name in info.looped]
     assert len(jobs) >= 2 * len(patterns)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path / "triton"), PYTHONPATH=os.pathsep.join(sys.path))
@@ -442,7 +445,11 @@ def test_autotuning_keeps_the_fastest_launch_and_every_launch_is_exact(monkeypat
         monkeypatch.setattr(tgen, "_TUNED", {})
         run_and_check(arith, [(3, 5, 37), (37,), (5, 1), (3, 1, 37)], torch.float32, seed=5)
         run_and_check(rms, [(6, 37), (37,)], torch.float32, seed=6)
-        assert len(tgen._TUNED) == 4   # forward and backward kernel of each region
+        # forward kernels; a backward summing a broadcast input's gradient in the kernel
+        # (the bias, the weight) runs its default tiles (its partials follow the tiles)
+        assert len(tgen._TUNED) == 2
+        run_and_check(where_casts, [(4, 33), (4, 33)], torch.float32, seed=8)
+        assert len(tgen._TUNED) == 4   # forward and backward (nothing broadcast)
         for (_, rows, n, whole), config in tgen._TUNED.items():
             assert config == min(tgen.configs(rows, n, whole), key=prefer)
         count = len(timed)

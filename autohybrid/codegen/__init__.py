@@ -2,7 +2,9 @@
 
     lower.py     region GraphModule (ATen ops) → `Program` (ir.py), shapes, structure key
     autodiff.py  forward `Program` → backward `Program` (vjp per primitive, recomputes)
-    triton.py    `Program` → `@triton.jit` source; cache files; block sizes; launch; AOT
+    printer.py   `Program` → `@triton.jit` source of the one-tile kernel
+    rowloop.py   `Program` → the looped kernel (a reduction over rows over MAX_ROW)
+    triton.py    cache files; block sizes; launch; AOT
 
 `ops/fused.py` ties them together behind `register_region` and the
 `autohybrid::fused_region` op. Nothing here imports from ops, passes or runtime.

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 FULL, ROW, SCALAR = "full", "row", "scalar"
+FOLDS = (None, "rows", "cols", "both")
 _WIDTH = {SCALAR: 0, ROW: 1, FULL: 2}
 
 #: primitive → number of value operands (scalars may stand in for any operand)
@@ -114,11 +115,19 @@ def zeros() -> Value:
 @dataclass
 class Program:
     """A kernel's body: `inputs` (load values, in argument order) and `outputs` (values
-    to store, in order); `dtype` is the compute dtype (fp32 or fp64)."""
+    to store, in order); `dtype` is the compute dtype (fp32 or fp64). `folds` (empty, or
+    one entry per output) says how a full output is summed inside the kernel before it
+    is stored: None (stored whole), "rows" (over the rows: one partial row of N per row
+    program), "cols" (over the columns: one partial value per row and column program),
+    "both"; the caller sums the partials (a broadcast input's gradient, ops/fused.py)."""
 
     inputs: list[Value]
     outputs: list[Value]
     dtype: torch.dtype = torch.float32
+    folds: tuple = ()
+
+    def fold(self, j: int):
+        return self.folds[j] if self.folds else None
 
     @property
     def reduces(self) -> bool:

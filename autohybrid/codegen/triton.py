@@ -1,7 +1,8 @@
-"""Triton source for kernel programs, the kernel cache on disk, launching and AOT compiles.
+"""Triton kernels of programs: the kernel cache on disk, launching, AOT compiles.
 
-Owns the printing of a `Program` (ir.py) as one `@triton.jit` kernel, the choice of block
-sizes from the runtime shapes, and the launch. Every kernel has the same frame:
+Sources are printed by printer.py (`source`, the one-tile kernel) and rowloop.py
+(`loop_source`, the looped kernel of a reduction over rows longer than MAX_ROW). Every
+kernel has the same frame:
 
     rows × cols tile   rows = flattened leading dims of the iteration shape (runtime R,
                        decomposed into dims d1… with % and //), cols = last dim (N)
@@ -9,13 +10,14 @@ sizes from the runtime shapes, and the launch. Every kernel has the same frame:
                        has stride 0 on its broadcast dims), so any layout and any size
                        works; masks cover the ragged edges
     grid               (cdiv(R, BLOCK_M), cdiv(N, BLOCK_N)) for element-wise programs;
-                       (cdiv(R, BLOCK_M), 1) with BLOCK_N ≥ N when a value is reduced
-                       along the row (the whole row lives in one tile)
+                       (cdiv(R, BLOCK_M), 1) when a value is reduced along the row:
+                       BLOCK_N ≥ N up to MAX_ROW, beyond it the looped kernel walks the
+                       row in chunks of BLOCK_N; at most ROW_PROGRAMS row programs when
+                       an output is summed over the rows (printer.py `strided`)
 
-Loads convert to the compute dtype (fp32; fp64 for fp64 regions), stores convert to the
-output pointer's dtype. Sources live in files (`@triton.jit` reads its source back) under
-`cache_dir()`; `load_kernel` wraps the function for the GPU (JITFunction) or the CPU
-interpreter (InterpretedFunction) as asked, whatever TRITON_INTERPRET said at import.
+Sources live in files (`@triton.jit` reads its source back) under `cache_dir()`;
+`load_kernel` wraps the function for the GPU (JITFunction) or the CPU interpreter
+(InterpretedFunction) as asked, whatever TRITON_INTERPRET said at import.
 """
 from __future__ import annotations
 
@@ -27,153 +29,23 @@ from pathlib import Path
 
 import torch
 
-from . import ir
-from .ir import FULL, ROW, Program, Value
+from ..errors import RuntimeFailure, VersionError
+from ..features import TRITON_SUPPORTED, _range
+from .ir import ROW, Program
 
 #: the longest row a reduction kernel holds in one tile (elements)
 MAX_ROW = 1 << 15
 #: elements per tile: on the GPU (registers) and in the interpreter (few programs)
 TILE_GPU, TILE_INTERPRET = 4096, 1 << 16
+#: columns per walk of a looped reduction (rows longer than MAX_ROW) on the GPU
+LOOP_CHUNK_GPU = 4096
+#: the most row programs of a kernel with outputs summed over rows (`strided`): each
+#: loops over row blocks and writes one partial row, so partials hold this many rows
+ROW_PROGRAMS = 256
 
-_TL = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16",
-       torch.float32: "tl.float32", torch.float64: "tl.float64", torch.bool: "tl.int1"}
-_PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32",
-        torch.float64: "*fp64", torch.bool: "*i1"}
-
-_FORMAT = {
-    "add": "{0} + {1}", "sub": "{0} - {1}", "mul": "{0} * {1}", "div": "{0} / {1}",
-    "neg": "-{0}", "exp": "tl.exp({0})", "log": "tl.log({0})", "erf": "tl.erf({0})",
-    "tanh": "2.0 * tl.sigmoid(2.0 * {0}) - 1.0", "sigmoid": "tl.sigmoid({0})",
-    "sqrt": "tl.sqrt({0})", "rsqrt": "tl.rsqrt({0})", "abs": "tl.abs({0})",
-    "relu": "tl.where({0} < 0.0, 0.0, {0})",
-    "maximum": "tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
-    "minimum": "tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
-    "gt": "{0} > {1}", "lt": "{0} < {1}", "ge": "{0} >= {1}", "le": "{0} <= {1}",
-    "eq": "{0} == {1}", "ne": "{0} != {1}", "where": "tl.where({0}, {1}, {2})",
-    "stop_grad": "{0}",
-    "sum_row": "tl.sum(tl.where(mask, {0}, 0.0), axis=1)[:, None]",
-    "amax_row": "tl.max(tl.where(mask, {0}, float('-inf')), axis=1)[:, None]",
-    "expand_full": "tl.broadcast_to({0}, [BLOCK_M, BLOCK_N])",
-    "zeros": "tl.zeros([BLOCK_M, BLOCK_N], CDT)", "ncols": "N * 1.0",
-}
-
-
-def whole_rows(program: Program) -> bool:
-    """Whether the kernel needs each row in one tile (it reduces along rows)."""
-    return program.reduces or any(o.kind == ROW for o in program.outputs)
-
-
-def _literal(x) -> str:
-    if isinstance(x, bool):
-        return repr(x)
-    x = float(x)
-    if math.isinf(x):
-        return "float('inf')" if x > 0 else "float('-inf')"
-    return "float('nan')" if math.isnan(x) else repr(x)
-
-
-def _pow(a: str, p: float) -> str:
-    if p == 0.5:
-        return f"tl.sqrt({a})"
-    if p == -0.5:
-        return f"tl.rsqrt({a})"
-    if p == int(p) and abs(p) <= 8:
-        prod = " * ".join([a] * int(abs(p))) if p else f"({a} * 0.0 + 1.0)"
-        return f"1.0 / ({prod})" if p < 0 else f"({prod})"
-    if p == int(p):   # odd powers keep the sign of the base
-        mag = f"tl.exp2({_literal(p)} * tl.log2(tl.abs({a})))"
-        return mag if int(p) % 2 == 0 else f"tl.where({a} < 0.0, -{mag}, {mag})"
-    return f"tl.exp2({_literal(p)} * tl.log2({a}))"
-
-
-def _cast(a: str, src: Value, dtype: torch.dtype, compute: torch.dtype) -> str:
-    if dtype == torch.bool:
-        return f"({a} != 0)"
-    if src.is_bool or dtype == compute or dtype == torch.float64:
-        return f"{a}.to(CDT)"
-    if dtype == torch.bfloat16 and compute == torch.float32:
-        # round to nearest even by hand: the interpreter truncates in .to(tl.bfloat16)
-        bits = f"{a}.to(tl.uint32, bitcast=True)"
-        rounded = f"(({bits} + 0x7FFF + (({bits} >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)"
-        return f"tl.where({a} != {a}, {a}, {rounded})"
-    return f"{a}.to({_TL[dtype]}).to(CDT)"   # rounds to the narrower float, as eager does
-
-
-def _expression(v: Value, names: dict[int, str], compute: torch.dtype) -> str:
-    args = [names[a.uid] if isinstance(a, Value) else _literal(a) for a in v.args]
-    if v.op == "pow":
-        return _pow(args[0], v.attrs[0])
-    if v.op == "cast":
-        return _cast(args[0], v.args[0], v.attrs[0], compute)
-    return _FORMAT[v.op].format(*args)
-
-
-def _offsets(prefix: str, kind: str, rank: int) -> str:
-    row = " + ".join(f"i{j} * {prefix}_s{j}" for j in range(rank - 1)) or "rows * 0"
-    return row if kind == ROW else f"{row} + cols * {prefix}_s{rank - 1}"
-
-
-def _strides(prefix: str, kind: str, rank: int) -> list[str]:
-    return [f"{prefix}_s{j}" for j in range(rank - 1 if kind == ROW else rank)]
-
-
-def parameters(program: Program, rank: int) -> list[str]:
-    """The kernel's parameters, in order (see `launch` for what each receives)."""
-    params = [f"in{i}" for i in range(len(program.inputs))]
-    params += [f"out{j}" for j in range(len(program.outputs))]
-    params += ["R", "N"] + [f"d{j}" for j in range(1, rank - 1)]
-    for i, v in enumerate(program.inputs):
-        params += _strides(f"in{i}", v.kind, rank)
-    for j, v in enumerate(program.outputs):
-        params += _strides(f"out{j}", v.kind, rank)
-    return params + ["BLOCK_M", "BLOCK_N"]
-
-
-def source(program: Program, name: str, rank: int, doc: str) -> str:
-    """The Triton source of `program` as kernel `name` over an iteration shape of `rank`."""
-    params = parameters(program, rank)
-    head = ", ".join(p + (": tl.constexpr" if p.startswith("BLOCK") else "") for p in params)
-    lines = [f"@triton.jit", f"def {name}({head}):", f'    """{doc}"""',
-             f"    CDT: tl.constexpr = {_TL[program.dtype]}",
-             "    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)[:, None]",
-             "    cols = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)[None, :]",
-             "    row_mask = rows < R", "    mask = row_mask & (cols < N)"]
-    if rank > 1:
-        lines.append("    r = rows")
-        for j in range(rank - 2, 0, -1):
-            lines += [f"    i{j} = r % d{j}", f"    r = r // d{j}"]
-        lines.append("    i0 = r")
-    names: dict[int, str] = {}
-    seen: dict[str, str] = {}                 # expression → its value: common subexpressions
-    for v in program.schedule():
-        if v.op == "load":
-            i = v.attrs[0]
-            where = "mask" if v.kind == FULL else "row_mask"
-            raw = f"tl.load(in{i} + {_offsets(f'in{i}', v.kind, rank)}, mask={where}, other=0)"
-            expr = f"{raw} != 0" if v.is_bool else f"{raw}.to(CDT)"
-        else:
-            expr = _expression(v, names, program.dtype)
-        if expr not in seen:
-            seen[expr] = f"v{len(seen)}"
-            lines.append(f"    {seen[expr]} = {expr}")
-        names[v.uid] = seen[expr]
-    for j, v in enumerate(program.outputs):
-        value = names[v.uid]
-        if v.kind == ROW:
-            lines.append(f"    tl.store(out{j} + {_offsets(f'out{j}', ROW, rank)}, "
-                         f"{value}.to(out{j}.dtype.element_ty), mask=row_mask)")
-        else:
-            if v.kind != FULL:
-                value = f"tl.broadcast_to({value}, [BLOCK_M, BLOCK_N])"
-            lines.append(f"    tl.store(out{j} + {_offsets(f'out{j}', FULL, rank)}, "
-                         f"{value}.to(out{j}.dtype.element_ty), mask=mask)")
-    return "\n".join(lines) + "\n"
-
-
-def module_source(kernels: list[str], header: str) -> str:
-    return (f'"""{header}"""\nimport triton\nimport triton.language as tl\n\n\n'
-            + "\n\n".join(kernels))
-
+from .printer import (_PTR, module_source, parameters, source, strided,  # noqa: F401
+                      whole_rows)
+from .rowloop import loop_source  # noqa: F401
 
 # ------------------------------------------------------------------ files and loading
 
@@ -224,32 +96,88 @@ def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+def looped(program: Program, N: int) -> bool:
+    """Whether `program` runs as its looped kernel (rowloop.py) on rows of N: it reduces
+    along rows longer than one tile holds."""
+    return whole_rows(program) and N > MAX_ROW
+
+
 def blocks(R: int, N: int, rows_whole: bool, interpret: bool) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) for R rows of N: the whole row when reducing, else ≤ 1024
-    columns; as many rows as fit in a tile."""
+    """(BLOCK_M, BLOCK_N) for R rows of N: the whole row when reducing (a chunk of the
+    row when it is longer than MAX_ROW: the looped kernel), else ≤ 1024 columns; as many
+    rows as fit in a tile."""
     tile = TILE_INTERPRET if interpret else TILE_GPU
     if rows_whole and N > MAX_ROW:
-        raise ValueError(f"fused reduction over rows of {N} elements: more than the "
-                         f"{MAX_ROW} one tile holds; leave this region unfused")
-    bn = _pow2(N) if rows_whole else min(_pow2(N), 1024 if not interpret else tile)
+        bn = min(MAX_ROW, tile if interpret else LOOP_CHUNK_GPU)
+    else:
+        bn = _pow2(N) if rows_whole else min(_pow2(N), 1024 if not interpret else tile)
     return max(1, min(_pow2(R), tile // bn)), bn
+
+
+def grid(program: Program, R: int, N: int, bm: int, bn: int) -> tuple[int, int]:
+    """The launch grid: row programs × column programs."""
+    rows = triton_cdiv(R, bm)
+    if strided(program) and not looped(program, N):
+        rows = min(rows, ROW_PROGRAMS)
+    return rows, 1 if whole_rows(program) else triton_cdiv(N, bn)
+
+
+def partial_shape(fold: str, R: int, N: int, grid_: tuple[int, int]) -> list[int]:
+    """The shape of an output summed inside the kernel (`Program.folds`), before the
+    caller sums the partials: rows → [row programs, N], cols → [R, column programs],
+    both → [row programs, column programs]."""
+    return {"rows": [grid_[0], N], "cols": [R, grid_[1]], "both": list(grid_)}[fold]
+
+
+def partials(program: Program, shape: list[int], interpret: bool, device
+             ) -> list[torch.Tensor | None]:
+    """Per output of `program`: the zeroed buffer of its partial sums where the kernel
+    sums it (`Program.folds`; `partial_shape` at the default tiles, in the compute
+    dtype), else None. `launch` writes them; the caller sums them."""
+    R, N = math.prod(shape[:-1]), shape[-1]
+    g = grid(program, R, N, *blocks(R, N, whole_rows(program), interpret)) if R and N \
+        else (0, 0)
+    return [None if program.fold(j) is None else
+            torch.zeros(partial_shape(program.fold(j), R, N, g), dtype=program.dtype,
+                        device=device) for j in range(len(program.outputs))]
 
 
 def launch(kernel, program: Program, inputs: list[torch.Tensor],
            outputs: list[torch.Tensor], shape: list[int], interpret: bool) -> None:
-    """Run `kernel` (printed from `program`) over iteration `shape`; input/output tensors
-    are given in their own shapes (broadcastable to `shape`, or row-shaped for rows)."""
+    """Run `kernel` (printed from `program`: its looped kernel where `looped`) over
+    iteration `shape`; input/output tensors are given in their own shapes (broadcastable
+    to `shape`, or row-shaped for rows; an output the kernel sums, `Program.folds`, as
+    the buffer `partials` made). Kernels with summed outputs launch with the default
+    tiles, untuned: the partials' shapes and sums follow the tiles."""
     rank = len(shape)
     R, N = math.prod(shape[:-1]), shape[-1]
+    rows_whole, loop = whole_rows(program), looped(program, N)
+    name = getattr(getattr(kernel, "fn", None), "__name__", None)
+    if name is not None and name.endswith("_loop") != loop:
+        raise RuntimeFailure(f"kernel {name} launched on rows of {N}: the "
+                             f"{'looped' if loop else 'one-tile'} kernel of its program "
+                             f"runs there (MAX_ROW {MAX_ROW})")
+    folded = any(f is not None for f in program.folds)
+    default = blocks(R, N, rows_whole, interpret)
     if R == 0 or N == 0:
         return
+    if folded:
+        g = grid(program, R, N, *default)
+        for j, t in enumerate(outputs):
+            f = program.fold(j)
+            if f is not None and list(t.shape) != partial_shape(f, R, N, g):
+                raise RuntimeFailure(f"kernel {name}: output {j} is summed in the kernel "
+                                     f"into {partial_shape(f, R, N, g)} partials, given a "
+                                     f"buffer of {list(t.shape)}; allocate it with partials()")
     args: list = [*inputs, *outputs, R, N, *shape[1:-1]]
-    for t, v in [*zip(inputs, program.inputs), *zip(outputs, program.outputs)]:
-        if v.kind == ROW:
+    for j, (t, v) in enumerate([*zip(inputs, program.inputs), *zip(outputs, program.outputs)]):
+        out = j - len(inputs)
+        if out >= 0 and program.fold(out) is not None:
+            args += list(t.stride())
+        elif v.kind == ROW:
             args += list(t.stride()[:rank - 1]) if t.dim() >= rank - 1 else [0] * (rank - 1)
         else:
             args += list(t.expand(shape).stride())
-    rows_whole = whole_rows(program)
     # the interpreter truncates fp32 → bf16: write those outputs in fp32, round in torch
     staged = [(i, torch.empty_like(t, dtype=torch.float32)) for i, t in enumerate(outputs)
               if interpret and t.dtype == torch.bfloat16]
@@ -258,15 +186,16 @@ def launch(kernel, program: Program, inputs: list[torch.Tensor],
 
     def run(config: tuple[int, int, int]) -> None:
         bm, bn, warps = config
-        grid = (triton_cdiv(R, bm), 1 if rows_whole else triton_cdiv(N, bn))
         extra = {} if interpret else {"num_warps": warps}
-        kernel[grid](*args, BLOCK_M=bm, BLOCK_N=bn, **extra)
+        kernel[grid(program, R, N, bm, bn)](*args, BLOCK_M=bm, BLOCK_N=bn, **extra)
 
-    if (interpret and not TUNE_IN_INTERPRETER) or os.environ.get("AUTOHYBRID_AUTOTUNE") == "0":
-        bm, bn = blocks(R, N, rows_whole, interpret)
-        run((bm, bn, _warps(bm, bn, rows_whole)))
+    if folded or (interpret and not TUNE_IN_INTERPRETER) \
+            or os.environ.get("AUTOHYBRID_AUTOTUNE") == "0":
+        run((*default, _warps(*default, rows_whole)))
     else:
-        run(tuned(kernel, R, N, rows_whole, run, time_launch))
+        device = inputs[0].device
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+        run(tuned(kernel, R, N, rows_whole, run, time_launch, name))
     for i, tmp in staged:
         outputs[i].copy_(tmp)
 
@@ -296,17 +225,72 @@ def configs(R: int, N: int, rows_whole: bool) -> list[tuple[int, int, int]]:
 _TUNED: dict[tuple, tuple[int, int, int]] = {}
 
 
-def tuned(kernel, R: int, N: int, rows_whole: bool, run, timer) -> tuple[int, int, int]:
+def tuned(kernel, R: int, N: int, rows_whole: bool, run, timer, device: str | None = None
+          ) -> tuple[int, int, int]:
     """The fastest of `configs` for `kernel` at this shape class (rows and row length
     rounded up to powers of two; a reduction's exact row length), timed once per class
     with `timer(fn, config) -> seconds` (`fn` runs `run(config)`), then remembered (the
-    earlier config on a tie)."""
-    key = (id(kernel), _pow2(R), N if rows_whole else _pow2(N), rows_whole)
+    earlier config on a tie). With `device` (the GPU's name) the choice is also kept on
+    disk (`tuning_file`), keyed by the kernel's source, the shape class and the device:
+    a later process on that machine (every rank of the next run, or of this one once a
+    rank has tuned) takes it without timing. The config never changes a kernel's result
+    (`configs`), only its speed."""
+    shape = (_pow2(R), N if rows_whole else _pow2(N), rows_whole)
+    key = ((id(kernel),) if device is None else (_source_hash(kernel), device)) + shape
     if key not in _TUNED:
-        timed = [(timer(lambda c=c: run(c), c), i, c)
-                 for i, c in enumerate(configs(R, N, rows_whole))]
-        _TUNED[key] = min(timed)[2]
+        choices = configs(R, N, rows_whole)
+        saved = _saved().get("|".join(map(str, key))) if device is not None else None
+        if saved is not None and tuple(saved) in choices:
+            _TUNED[key] = tuple(saved)
+        else:
+            timed = [(timer(lambda c=c: run(c), c), i, c) for i, c in enumerate(choices)]
+            _TUNED[key] = min(timed)[2]
+            if device is not None:
+                _save("|".join(map(str, key)), _TUNED[key])
     return _TUNED[key]
+
+
+def tuning_file() -> Path:
+    """Where tuned launches are kept: <cache_dir()>/tuning.json."""
+    return cache_dir() / "tuning.json"
+
+
+_SOURCES: dict[int, tuple[object, str]] = {}
+
+
+def _source_hash(kernel) -> str:
+    import hashlib
+    import inspect
+    entry = _SOURCES.get(id(kernel))
+    if entry is None or entry[0] is not kernel:
+        fn = getattr(kernel, "fn", kernel)
+        text = getattr(kernel, "src", None) or inspect.getsource(fn)
+        entry = (kernel, hashlib.sha256(text.encode()).hexdigest()[:20])
+        _SOURCES[id(kernel)] = entry
+    return entry[1]
+
+
+def _saved() -> dict:
+    import json
+    try:
+        data = json.loads(tuning_file().read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}         # none yet, or unreadable: tune again (and rewrite it)
+
+
+def _save(key: str, config: tuple[int, int, int]) -> None:
+    import json
+    data = _saved()
+    data[key] = list(config)
+    path = tuning_file()
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass              # a read-only cache: tuned again by the next process
 
 
 def _gpu_time(fn, config) -> float:
@@ -339,10 +323,29 @@ def signature(program: Program, rank: int, in_dtypes: list[torch.dtype],
 def compile_aot(path: str | Path, name: str, sig: dict[str, str], block_m: int = 4,
                 block_n: int = 256, arch: int = 90):
     """Compile kernel `name` of `path` for CUDA sm_`arch` without a GPU (to a cubin).
-    Run it in a process where TRITON_INTERPRET is unset."""
+    Run it in a process where TRITON_INTERPRET is unset. Uses Triton's compile API of
+    features.TRITON_SUPPORTED (`ASTSource(fn, signature, constexprs)` with constexprs by
+    name, `GPUTarget`); another raises VersionError naming the installed Triton."""
     import triton
     from triton.backends.compiler import GPUTarget
+    check_compile_api(triton.compiler.ASTSource, getattr(triton, "__version__", "?"))
     kernel = load_kernel(Path(path), name, interpret=False)
     src = triton.compiler.ASTSource(fn=kernel, signature=sig,
                                     constexprs={"BLOCK_M": block_m, "BLOCK_N": block_n})
     return triton.compile(src, target=GPUTarget("cuda", arch, 32))
+
+
+def check_compile_api(source_class, version: str) -> None:
+    """Raise VersionError unless `source_class` (triton.compiler.ASTSource) takes
+    `fn`, `signature` and `constexprs` (Triton 3.2 on; 3.0 and 3.1 took `constants`)."""
+    import inspect
+    try:
+        params = set(inspect.signature(source_class).parameters)
+    except (TypeError, ValueError):
+        params = set()
+    missing = {"fn", "signature", "constexprs"} - params
+    if missing:
+        raise VersionError(
+            f"triton {version}: triton.compiler.ASTSource takes no {', '.join(sorted(missing))}"
+            f"; autohybrid's kernels compile with triton{_range(TRITON_SUPPORTED)}; install "
+            "the Triton of a torch in autohybrid's supported range")

@@ -49,21 +49,15 @@ from torch.distributed import pipelining as tpp
 
 from ..capture import CapturedGraph
 from ..errors import AutohybridError, PlanError
+from ..features import PIPELINE_SCHEDULES, check_pipelining
 from ..graph import VAL
 from ..ops.zero import release_gathered
 from ..plan import Plan
 from ..program import PipelineSplit, StageGraph
 from .timeouts import new_group
 
-SCHEDULE_CLASSES = {
-    "gpipe": tpp.ScheduleGPipe,
-    "1f1b": tpp.Schedule1F1B,
-    "interleaved": tpp.ScheduleInterleaved1F1B,
-    "looped-bfs": tpp.ScheduleLoopedBFS,
-    "zero-bubble": tpp.ScheduleInterleavedZeroBubble,
-    "zbv": tpp.ScheduleZBVZeroBubble,
-    "dualpipev": tpp.ScheduleDualPipeV,
-}
+#: schedule → its class (None where this torch lacks it: features.check_pipelining says so)
+SCHEDULE_CLASSES = {name: getattr(tpp, cls, None) for name, cls in PIPELINE_SCHEDULES.items()}
 _MULTI_STAGE = ("interleaved", "looped-bfs", "zero-bubble", "zbv", "dualpipev")
 
 
@@ -131,12 +125,12 @@ class _Stage(tpp.PipelineStage):
         return out
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict,
-                                   last_backward: bool = False):
+                                   last_backward: bool = False, *args: Any, **kwargs: Any):
         if backward_type == "input":  # the split backward's input step (zero-bubble)
             _param_only_grads(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
                               bwd_kwargs["input_values"], list(self.submod.parameters()))
-        grads, param_groups = super().backward_maybe_with_nosync(backward_type, bwd_kwargs,
-                                                                 last_backward)
+        grads, param_groups = super().backward_maybe_with_nosync(
+            backward_type, bwd_kwargs, last_backward, *args, **kwargs)
         # the input gradients go to the previous stage as they are, and the send needs them
         # contiguous: the input step's come from autograd.grad in whatever layout the
         # first op's backward made (nn.MultiheadAttention's cross-attention: the grad of
@@ -209,6 +203,7 @@ class PipelineRunner:
                  state: dict[str, torch.Tensor], pp_rank: int,
                  pp_group: dist.ProcessGroup | None, device: torch.device,
                  shared_groups: dict[str, dist.ProcessGroup] | None = None):
+        check_pipelining(plan.schedule)   # torch's private pipelining members we use
         if program.mutated_buffers:
             raise PlanError(
                 "pipeline parallelism cannot run a model whose forward updates buffers ("
