@@ -96,6 +96,46 @@ def test_a_loaded_graph_reads_this_models_tensors():
         capture_from(data, smaller, inputs, loss_fn, targets)
 
 
+def test_a_loaded_graph_of_sliced_inputs_knows_their_stride_symbols():
+    """Regression (benchmarks/gpu_check_dist.py, 2026-12-03): example inputs that are views
+    (`ids[:, :-1]`, `ids[:, 1:]`) export with a symbolic stride, which torch.export's
+    serialized form carries no range for; the loaded graph then failed tp 2 + sp at the
+    loss's `reshape(-1, V)` ("vr must not be None for symbol s48"). With the ShapeEnv's
+    facts sent along, the loaded graph has every symbol's range and the exported one's
+    guards, and rewrites into the exported graph's program; a payload without the ranges
+    is refused (so the ranks export for themselves) instead of failing in a pass."""
+    import pickle
+
+    from autohybrid.graph import fake_mode
+
+    def loss_fn(logits, targets):
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                           targets.reshape(-1))
+    model = preset("gpt-tiny")
+    ids = torch.randint(0, model.config["vocab"], (4, model.config["seq"] + 1),
+                        generator=torch.Generator().manual_seed(3))
+    inputs, targets = (ids[:, :-1],), (ids[:, 1:],)
+    plan = ah.plan(model, ah.Cluster.local(2), inputs, loss_fn=loss_fn,
+                   example_targets=targets, constraints=ah.Constraints(dp=1, tp=2, pp=1,
+                                                                       sp=True))
+    exported = capture(model, inputs, loss_fn, targets)
+    data = capture_wire.dumps(exported)
+    loaded = capture_from(data, model, inputs, loss_fn, targets)
+    sent, got = fake_mode(exported.gm).shape_env, fake_mode(loaded.gm).shape_env
+    strides = {s for n in loaded.gm.graph.nodes if n.op == "placeholder"
+               and isinstance(n.meta.get("val"), torch.Tensor)
+               for st in n.meta["val"].stride() if isinstance(st, torch.SymInt)
+               for s in st.node.expr.free_symbols}
+    assert strides and strides <= set(got.var_to_range)    # the case this test is about
+    assert capture_wire.symbol_ranges(loaded.gm) == capture_wire.symbol_ranges(exported.gm)
+    assert set(got.get_axioms()) == set(sent.get_axioms())
+    assert _programs(loaded, [plan]) == _programs(exported, [plan])
+    payload = pickle.loads(data)
+    payload["shape_facts"]["ranges"] = {}
+    with pytest.raises(capture_wire.WireMismatch, match="no value range for s"):
+        capture_from(pickle.dumps(payload), model, inputs, loss_fn, targets)
+
+
 class _Net(nn.Module):
     def __init__(self, width: int = 8):
         super().__init__()

@@ -9,8 +9,9 @@ share (a 4-rank test on two cores spent a third of its time there). And why ever
 rank 0 too, runs the *loaded* graph: a graph carries its symbolic-shape environment, and
 what that environment can prove (that a batch dim is symbolic, a size divides) decides
 some rewrites, e.g. the loss form (passes/global_loss.py). A loaded graph's environment
-may know less than the exporting one's; ranks that ran different rewrites would train
-with different losses. So all ranks run the same bytes, or all export for themselves.
+is rebuilt from the bytes (capture_wire.py sends the exporting one's symbol ranges and
+guards, which torch's serialized form omits) and is not the exporting object itself;
+ranks that ran different rewrites would train with different losses. So all ranks run the same bytes, or all export for themselves.
 
 The steps, each a collective over the default group:
 
