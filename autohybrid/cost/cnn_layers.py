@@ -134,6 +134,7 @@ def cnn_layers(gm: fx.GraphModule, batch_symbols: set[sympy.Symbol], device: Any
             layers.append(_layer(node, name, params, batch_symbols, t))
         elif layers:
             layers[-1]["fw_s"] += t
+            layers[-1]["w"] += sum(_numel_all(p.meta[VAL]) for p in params)  # norms' weights
         else:
             pending += t
     if not layers:
@@ -169,7 +170,7 @@ def _module(node: fx.Node) -> str:
     """The layer's module name (its nn_module_stack's innermost entry), else the node's."""
     stack = node.meta.get("nn_module_stack") or {}
     names = [v[0] for v in stack.values() if isinstance(v, tuple) and v and v[0]]
-    return names[-1] if names else node.name
+    return names[-1].removeprefix("model.") if names else node.name
 
 
 def _dim(t: torch.Tensor, i: int) -> Any:

@@ -114,7 +114,10 @@ class OracleResult:
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.3g} GiB" if n >= 2**20 else f"{n / 2**10:.3g} KiB"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n / 2**10:.3g} KiB"
 
 
 def canonical(strategy: str) -> str:
