@@ -146,6 +146,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="pipeline micro-batches S (default min(B, 4p))")
     orc.add_argument("--calibration", default=None,
                      help="a profile from `autohybrid calibrate` (price with measured figures)")
+    orc.add_argument("--json", action="store_true", help="print machine-readable JSON")
     train = sub.add_parser(
         "train", help="train a MODEL with its plan, or launch a script on local processes",
         description="MODEL: compile it for the local cluster (searching a plan, or --plan) "
@@ -686,7 +687,10 @@ def cmd_oracle(args: argparse.Namespace) -> int:
                             model_name=spec.ref)
     except (AutohybridError, ValueError, OSError) as exc:
         return _fail("oracle", exc)
-    print(result.table())
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2, ensure_ascii=False))
+    else:
+        print(result.table())
     return 0
 
 

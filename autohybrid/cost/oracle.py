@@ -27,7 +27,7 @@ min_l F_l, channel p ≤ min_l C_l, pipeline p ≤ layers (and S ≤ B).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Sequence
 
 from . import comm
@@ -89,6 +89,14 @@ class OracleResult:
             if s.strategy == key:
                 return s
         raise KeyError(strategy)
+
+    def to_dict(self) -> dict:
+        """The result as JSON-ready data, with `ranking` (strategy names, fastest first)."""
+        out = asdict(self)
+        for row, s in zip(out["strategies"], self.strategies):
+            row.update(applies=s.applies, total_s=s.total_s)
+        out["ranking"] = [s.strategy for s in self.ranking]
+        return out
 
     def table(self) -> str:
         head = (f"ParaDL oracle: {self.model} on {self.cluster} (p = {self.p}), D = "
