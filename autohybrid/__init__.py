@@ -11,7 +11,7 @@ from .features import check_versions
 check_versions()  # torch and Triton in the supported range (features.TORCH_SUPPORTED)
 
 from . import init, logs, models  # noqa: E402
-from .api import compile, plan
+from .api import compile, oracle, plan
 from .bench import BenchResult, bench
 from .calibrate import Profile, calibrate
 from .cluster import Cluster
@@ -33,5 +33,6 @@ __all__ = [
     "ClusterError", "Constraints", "InputError", "ModelError", "Profile", "UserFunctionError",
     "bench", "calibrate",
     "NoPlanFitsError", "NotExecutableError", "NumericsError", "Plan", "PlanError", "RankFailure",
-    "RankUnresponsive", "RuntimeFailure", "TrainingArgumentError", "VersionError", "compile", "init", "launch", "models", "plan",
+    "RankUnresponsive", "RuntimeFailure", "TrainingArgumentError", "VersionError", "compile", "init", "launch", "models", "oracle",
+    "plan",
 ]

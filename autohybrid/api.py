@@ -169,3 +169,40 @@ def compile(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
 def _param_dtype(model: nn.Module) -> torch.dtype:
     first = next(iter(model.parameters()), None)
     return first.dtype if first is not None else torch.float32
+
+
+def oracle(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
+           dataset_size: int, global_batch: int | None = None,
+           strategy: str | None = None, segments: int | None = None,
+           calibration: Any = None, model_name: str | None = None):
+    """The ParaDL oracle for a CNN (cost/oracle.py): per strategy (serial, data,
+    spatial, filter, channel, pipeline, data×filter, data×spatial) the per-epoch compute
+    and communication seconds and per-PE memory on every rank of `cluster`, each
+    strategy's limit on p and whether the cluster's p breaks it. `strategy`: only that
+    one (None: all). `global_batch` defaults to the example batch; `segments` is the
+    pipeline's micro-batch count S (default min(B, 4p)); `calibration`: a profile from
+    `ah.calibrate` (or its JSON path) to price with measured figures. Captures the model
+    like `ah.plan` (the meta device works); starts no process."""
+    from .cost.cnn_layers import cnn_layers
+    from .cost.oracle import STRATEGIES, canonical, evaluate
+
+    cluster = _check_cluster(cluster)
+    check_global_batch(global_batch)
+    for name, value in (("dataset_size", dataset_size), ("segments", segments)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 1):
+            raise TrainingArgumentError(f"{name} must be a positive integer, got {value!r}")
+    profile = load_calibration(calibration)
+    if profile is not None:
+        cluster = profile.apply(cluster)
+    inputs = as_tuple(example_inputs)
+    batch = global_batch or int(inputs[0].shape[0])
+    captured = capture(model, inputs, with_loss=False)
+    symbols = {s for s, role in captured.dim_roles.items() if role == "batch"}
+    dtype = _param_dtype(model)
+    layers = cnn_layers(captured.gm, symbols, cluster.device, str(dtype).removeprefix("torch."))
+    names = STRATEGIES if strategy is None else (canonical(strategy),)
+    return evaluate(layers, cluster, dataset_size=dataset_size, global_batch=batch,
+                    dtype_bytes=torch.empty((), dtype=dtype).element_size(),
+                    strategies=names, segments=segments,
+                    model=model_name or type(model).__name__)

@@ -1,4 +1,4 @@
-"""`autohybrid` command line: plan, inspect, benchmark, train, calibrate.
+"""`autohybrid` command line: plan, inspect, benchmark, train, calibrate, oracle.
 
     autohybrid plan gpt3-175b --cluster dgx-a100-80gb --nodes 128 --global-batch 1536
     autohybrid plan gpt-tiny --cluster local:4 --constrain pp=2,tp=2 --report report.html
@@ -7,6 +7,7 @@
     autohybrid train gpt-tiny --cluster local:2 --steps 10      # or: train script.py -- ARGS
     autohybrid train gpt-tiny --steps 100 --save-dir ckpt --save-every 20 --resume
     autohybrid calibrate --world-size 2 --out calibration.json
+    autohybrid oracle vgg16 --cluster dgx-a100-80gb --nodes 4 --global-batch 256
 
 MODEL is a zoo preset (`autohybrid plan --list-models`) or `path/file.py:factory`, with
 arguments after `?` (`gpt-tiny?layers=2&seq=32`: models/spec.py). Every command takes
@@ -124,6 +125,28 @@ def _parser() -> argparse.ArgumentParser:
     calib.add_argument("--out", default="calibration.json", help="profile file to write")
     calib.add_argument("--json", action="store_true", help="print the profile as JSON")
     _add_start_method(calib)
+    orc = sub.add_parser(
+        "oracle", help="ParaDL per-strategy epoch time and memory of a CNN (no processes)",
+        description="Capture MODEL on the meta device and print, per parallel strategy "
+                    "(serial, data, spatial, filter, channel, pipeline, data×filter, "
+                    "data×spatial), the per-epoch compute and communication time, the "
+                    "memory per PE, the limit on p, which strategies break it, and the "
+                    "ranking by total time (cost/oracle.py).")
+    orc.add_argument("model", help="zoo preset (e.g. resnet50, vgg16, cosmoflow) or "
+                                   "path/file.py:factory")
+    orc.add_argument("--cluster", default="dgx-a100-80gb",
+                     help="cluster preset, FILE.json or local:N (default dgx-a100-80gb)")
+    orc.add_argument("--nodes", type=int, default=None, help="number of nodes of a preset")
+    orc.add_argument("--global-batch", type=int, default=None,
+                     help="samples per iteration B (default: the example batch, 8)")
+    orc.add_argument("--dataset-size", type=int, default=1_281_167,
+                     help="samples per epoch D (default 1281167, ImageNet-1k)")
+    orc.add_argument("--strategy", default=None, help="only this strategy (default: all)")
+    orc.add_argument("--segments", type=int, default=None,
+                     help="pipeline micro-batches S (default min(B, 4p))")
+    orc.add_argument("--calibration", default=None,
+                     help="a profile from `autohybrid calibrate` (price with measured figures)")
+    orc.add_argument("--json", action="store_true", help="print machine-readable JSON")
     train = sub.add_parser(
         "train", help="train a MODEL with its plan, or launch a script on local processes",
         description="MODEL: compile it for the local cluster (searching a plan, or --plan) "
@@ -650,6 +673,27 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_oracle(args: argparse.Namespace) -> int:
+    from . import api
+    from .cluster import Cluster
+
+    try:
+        cluster = Cluster.parse(args.cluster, nodes=args.nodes)
+        spec = _spec(args.model, None)
+        work = spec.build(device="meta")
+        result = api.oracle(work.model, cluster, work.inputs, dataset_size=args.dataset_size,
+                            global_batch=args.global_batch, strategy=args.strategy,
+                            segments=args.segments, calibration=args.calibration,
+                            model_name=spec.ref)
+    except (AutohybridError, ValueError, OSError) as exc:
+        return _fail("oracle", exc)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2, ensure_ascii=False))
+    else:
+        print(result.table())
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -660,7 +704,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.script_args = extra
     commands = {"plan": cmd_plan, "calibrate": cmd_calibrate, "inspect": cmd_inspect,
-                "bench": cmd_bench, "train": cmd_train}
+                "bench": cmd_bench, "train": cmd_train, "oracle": cmd_oracle}
     if args.command not in commands:
         parser.print_help()
         return 0

@@ -72,7 +72,16 @@ EXPECTED_PRESETS = {
     "gpt3-125m", "gpt3-350m", "gpt3-760m", "gpt3-1.3b", "gpt3-2.7b", "gpt3-6.7b",
     "gpt3-13b", "gpt3-175b", "gpt-22b", "gpt-530b", "gpt-1t", "llama3-8b", "llama3-70b",
     "llama3-405b", "resnet50", "gpt-tiny", "llama-tiny", "mlp-tiny", "resnet-tiny",
+    "vgg16", "cosmoflow", "cosmoflow-tiny",
 }
+
+
+def test_vgg16_size_and_cosmoflow_tiny_runs() -> None:
+    assert _numel(zoo.preset("vgg16", device="meta")) == 138_357_544  # torchvision's VGG-16
+    model = zoo.preset("cosmoflow-tiny")
+    (x,), targets = zoo.example_batch("cosmoflow-tiny", 2)
+    assert x.shape == (2, 4, 16, 16, 16) and model(x).shape == (2, 4)
+    assert targets.shape == (2,) and int(targets.max()) < 4
 
 
 def test_preset_names() -> None:

@@ -1,4 +1,4 @@
-"""autohybrid's model zoo: GPT, Llama, MLP and ResNet factories plus named presets.
+"""autohybrid's model zoo: GPT, Llama, MLP, ResNet, VGG and CosmoFlow factories plus presets.
 
 Every factory takes ``device=`` and ``dtype=`` and builds directly there; on the meta
 device nothing is allocated or initialized. Every model has a ``kind`` (``"gpt"``,
@@ -15,6 +15,7 @@ torch.Size([2, 16, 96])
 from __future__ import annotations
 
 from ._common import RMSNorm
+from .cnn import VGG, CosmoFlow, cosmoflow, vgg
 from .gpt import GPT, gpt
 from .llama import Llama, llama, llama_ffn_hidden
 from .mlp import MLP, mlp
@@ -23,7 +24,7 @@ from .resnet import RESNET_DEPTHS, ResNet, resnet
 from . import spec  # noqa: E402  (MODEL strings: presets and file.py:factory)
 
 __all__ = [
-    "FACTORIES", "GPT", "Llama", "MLP", "ModelConfig", "PRESETS", "RESNET_DEPTHS", "RMSNorm",
+    "CosmoFlow", "FACTORIES", "GPT", "VGG", "cosmoflow", "vgg", "Llama", "MLP", "ModelConfig", "PRESETS", "RESNET_DEPTHS", "RMSNorm",
     "ResNet", "build", "example_batch", "get_preset", "gpt", "llama", "llama_ffn_hidden",
     "mlp", "preset", "resnet", "spec",
 ]

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelError
+from .cnn import cosmoflow, vgg
 from .gpt import gpt
 from .llama import llama
 from .mlp import mlp
@@ -23,7 +24,8 @@ from .resnet import resnet
 
 #: model kind -> factory
 FACTORIES: dict[str, Callable[..., nn.Module]] = {
-    "gpt": gpt, "llama": llama, "mlp": mlp, "resnet": resnet,
+    "gpt": gpt, "llama": llama, "mlp": mlp, "resnet": resnet, "vgg": vgg,
+    "cosmoflow": cosmoflow,
 }
 
 
@@ -83,6 +85,13 @@ _ALL: list[ModelConfig] = [
     _llama3("llama3-405b", 126, 16384, 128, 53248),
     ModelConfig("resnet50", "resnet", dict(depth=50, width=64, num_classes=1000,
                                            in_channels=3), "ResNet-50 (ImageNet)", 224),
+    ModelConfig("vgg16", "vgg", dict(depth=16, num_classes=1000, in_channels=3,
+                                     image_size=224), "VGG-16 (ImageNet)", 224),
+    ModelConfig("cosmoflow", "cosmoflow", dict(image_size=128),
+                "CosmoFlow-style 3-D CNN on 4x128^3 volumes", 128),
+    ModelConfig("cosmoflow-tiny", "cosmoflow", dict(channels=[4, 8], image_size=16,
+                                                    hidden=16),
+                "tiny 3-D CNN (two Conv3d stages) on 4x16^3 volumes, for tests", 16),
     ModelConfig("gpt-tiny", "gpt", dict(layers=2, hidden=32, heads=4, vocab=96, seq=16),
                 "tiny GPT for tests"),
     ModelConfig("llama-tiny", "llama", dict(layers=2, hidden=32, heads=4, kv_heads=2,
@@ -128,7 +137,9 @@ def example_batch(name: str | nn.Module, batch: int, seq: int | None = None, see
     gpt/llama: ids ``(batch, seq)`` and the next-token targets ``(batch, seq)`` (``seq``
     defaults to the model's). mlp: features ``(batch, in_features)`` and class targets in
     ``[0, out_features)``. resnet: images ``(batch, C, S, S)`` (``S`` = ``image_size``,
-    the preset's, else 32 or 224) and class targets. Float inputs use ``dtype`` (default
+    the preset's, else 32 or 224) and class targets; vgg / cosmoflow: images / volumes
+    of the model's image_size and class targets (cosmoflow: of its `outputs`). Float
+    inputs use ``dtype`` (default
     float32). Tensors are generated on the CPU, then moved to ``device`` (meta works).
     """
     if isinstance(name, nn.Module):
@@ -151,6 +162,13 @@ def example_batch(name: str | nn.Module, batch: int, seq: int | None = None, see
     elif kind == "mlp":
         inputs = (torch.randn(batch, cfg["in_features"], generator=g).to(fdt),)
         targets = torch.randint(0, cfg["out_features"], (batch,), generator=g)
+    elif kind in ("vgg", "cosmoflow"):  # images / volumes of the config's size
+        side = cfg.get("image_size") or image_size or default_image or 224
+        dims = 3 if kind == "cosmoflow" else 2
+        chans = cfg.get("in_channels", 4 if kind == "cosmoflow" else 3)
+        inputs = (torch.randn(batch, chans, *[side] * dims, generator=g).to(fdt),)
+        classes = cfg.get("outputs", 4) if kind == "cosmoflow" else cfg.get("num_classes", 1000)
+        targets = torch.randint(0, classes, (batch,), generator=g)
     else:  # resnet
         small = cfg.get("small_inputs")
         small = cfg.get("depth", 50) < 18 if small is None else small
