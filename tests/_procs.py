@@ -40,15 +40,29 @@ def torchrun_main(main, label: str) -> None:
     `main(rank, cluster)` → (lines, mismatches) under `ah.launch` on `Cluster.from_env()`,
     write the lines prefixed with `label`, the rank and its node, in one write (the ranks
     of a node share torchrun's stdout; print writes "\\n" apart), and exit 1 on a mismatch."""
+    torchrun_mains({label: main})
+
+
+def _each(rank: int, cluster, mains: dict) -> dict:
+    return {label: main(rank, cluster) for label, main in mains.items()}
+
+
+def torchrun_mains(mains: dict) -> None:
+    """`torchrun_main` for several checks in one job (one start of the ranks, one process
+    group), in order: label → main; each check's lines under its own label."""
     import os
     import sys
 
     import autohybrid as ah
 
     cluster = ah.Cluster.from_env()
-    [(lines, fails)] = ah.launch(main, cluster, args=(cluster,))
+    [results] = ah.launch(_each, cluster, args=(cluster, mains))
     rank, node = int(os.environ["RANK"]), int(os.environ["GROUP_RANK"])
-    prefix = f"{label} rank {rank} node {node} local {os.environ['LOCAL_RANK']}:"
-    lines += [f"MISMATCH {line}" for line in fails] or ["OK"]
-    os.write(sys.stdout.fileno(), "".join(f"{prefix} {line}\n" for line in lines).encode())
-    sys.exit(1 if fails else 0)
+    out, failed = [], False
+    for label, (lines, fails) in results.items():
+        prefix = f"{label} rank {rank} node {node} local {os.environ['LOCAL_RANK']}:"
+        lines = lines + ([f"MISMATCH {line}" for line in fails] or ["OK"])
+        out += [f"{prefix} {line}\n" for line in lines]
+        failed = failed or bool(fails)
+    os.write(sys.stdout.fileno(), "".join(out).encode())
+    sys.exit(1 if failed else 0)

@@ -117,3 +117,12 @@ def pytest_sessionstart(session: pytest.Session) -> None:
                   and "PYTEST_XDIST_WORKER" not in os.environ)
     if PROCESS_FREE and not controller:
         _refuse_processes()
+
+
+@pytest.fixture(scope="session")
+def two_nodes_logs(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """The two node logs of one `torchrun --nnodes 2` job of tests/scripts/two_nodes_train.py,
+    which runs the checks of tests/test_multinode.py and tests/test_hierarchical.py in
+    turn: each test reads its own lines (a failed job fails both, with both logs)."""
+    from test_multinode import run_both_checks
+    return run_both_checks(tmp_path_factory.mktemp("two_nodes"))

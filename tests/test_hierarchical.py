@@ -4,8 +4,9 @@ Without processes: the α–β formulas of cost/comm.py, which subgroups a plan'
 split into (runtime/collectives.subgroup_ranks), that the planner records the algorithm
 the formulas make fastest (a non-flat one on several nodes with shared NICs, "flat" on
 one node), that a pinned one is recorded and that ZeRO > 0 with a non-flat one is
-refused. With processes: two `torchrun --nnodes 2 --nproc-per-node 2` on loopback (as
-tests/test_multinode.py) run tests/scripts/hierarchical_train.py, which checks the
+refused. With processes: two `torchrun --nnodes 2 --nproc-per-node 2` on loopback run
+tests/scripts/hierarchical_train.py (in the one job that also runs test_multinode's
+check: tests/scripts/two_nodes_train.py, tests/conftest.py), which checks the
 subgroups each rank gets, bit-for-bit equality with `dist.all_reduce`, and compiled
 training with each algorithm against eager (SGD and AdamW).
 """
@@ -13,24 +14,19 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
 import autohybrid as ah
-from _limits import guard
 from autohybrid.cost import comm
 from autohybrid.errors import PlanError
 from autohybrid.plan import Mesh, Plan, RankPlacement
 from autohybrid.runtime import collectives
 
-from test_multinode import _readable, _run_two_nodes as run_two_nodes
+from test_multinode import _readable
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "tests" / "scripts" / "hierarchical_train.py"
 NODES, PER_NODE = 2, 2
-RUN_TIMEOUT_S = guard(150)  # both torchruns together
 
 
 # ============================================================================ cost model
@@ -198,11 +194,6 @@ def test_pinned_algorithm_is_recorded_and_zero_keeps_flat(gpt):
 
 
 # ============================================================================ two nodes
-def _run_two_nodes(tmp_path: Path) -> list[str]:
-    """Both torchruns of SCRIPT, as test_multinode runs its own."""
-    return run_two_nodes(tmp_path, SCRIPT, RUN_TIMEOUT_S)
-
-
 def _lines(log: str) -> dict[int, list[str]]:
     out: dict[int, list[str]] = {}
     for m in re.finditer(r"^hierarchical rank (\d) node (\d) local (\d): (.*)$", log,
@@ -212,9 +203,11 @@ def _lines(log: str) -> dict[int, list[str]]:
 
 
 @pytest.mark.procs
-@pytest.mark.timeout(200)
-def test_two_nodes_sum_bit_for_bit_and_train_like_eager(tmp_path):
-    logs = _run_two_nodes(tmp_path)
+@pytest.mark.timeout(300)
+def test_two_nodes_sum_bit_for_bit_and_train_like_eager(two_nodes_logs):
+    """tests/scripts/hierarchical_train.py's lines, from the job that also runs
+    test_multinode's check (tests/conftest.py `two_nodes_logs`)."""
+    logs = two_nodes_logs
     for node, log in enumerate(logs):
         here = list(range(node * PER_NODE, (node + 1) * PER_NODE))
         ranks = _lines(log)

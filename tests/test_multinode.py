@@ -3,7 +3,9 @@
 Two torchrun invocations on loopback (node ranks 0 and 1, two processes each) run the
 same tests/scripts/multinode_train.py, which trains gpt-tiny on dp 2 × tp 2, pp 2 × tp 2
 and the planner's own choice, compares with eager and checks that tp groups stay inside
-a node and dp / pp groups cross nodes as the Plan says. Before that, without processes:
+a node and dp / pp groups cross nodes as the Plan says (in one job with
+tests/test_hierarchical.py's check: tests/scripts/two_nodes_train.py, run once by
+tests/conftest.py's `two_nodes_logs`). Before that, without processes:
 how `Cluster.from_env` reads torchrun's environment on two nodes, where a plan made for
 that cluster puts its groups, and that the script's placement check catches a bad one.
 """
@@ -33,8 +35,11 @@ from _procs import is_dead, live_children
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "multinode_train.py"
+#: this file's check and tests/test_hierarchical.py's in one job (tests/conftest.py)
+BOTH_SCRIPT = REPO / "tests" / "scripts" / "two_nodes_train.py"
 NODES, PER_NODE = 2, 2
 RUN_TIMEOUT_S = guard(100)  # both torchruns together; a normal run takes about 20 s on 2 cores
+BOTH_TIMEOUT_S = guard(200)  # the two checks in one job: about 35 s on 2 cores
 TAG = "AUTOHYBRID_TEST_MULTINODE_TAG"  # marks every process a run starts (for cleanup)
 
 
@@ -216,6 +221,12 @@ def _run_two_nodes(tmp_path: Path, script: Path = SCRIPT,
     return logs
 
 
+def run_both_checks(tmp_path: Path) -> list[str]:
+    """The two node logs of tests/scripts/two_nodes_train.py: this file's check and
+    tests/test_hierarchical.py's, in one job (the fixture `two_nodes_logs` runs it once)."""
+    return _run_two_nodes(tmp_path, BOTH_SCRIPT, BOTH_TIMEOUT_S)
+
+
 def _readable(log: str, limit: int = 8000) -> str:
     """The log without the FutureWarnings torch prints for deprecated collectives."""
     lines = log.splitlines()
@@ -240,10 +251,10 @@ def _group(line: str, axis: str) -> list[int]:
 
 
 @pytest.mark.procs
-@pytest.mark.timeout(150)
-def test_same_script_on_two_nodes_matches_eager_and_places_tp_in_a_node(tmp_path):
+@pytest.mark.timeout(300)
+def test_same_script_on_two_nodes_matches_eager_and_places_tp_in_a_node(two_nodes_logs):
     """Ground truth independent of the script: which torchrun printed a rank's line."""
-    logs = _run_two_nodes(tmp_path)
+    logs = two_nodes_logs
     for node, log in enumerate(logs):
         here = _node_ranks(node)
         ranks = _lines(log)
