@@ -157,8 +157,9 @@ class CompiledModel:
         the training graph comes from the first train_step's batch and then gives the
         shards and stages (_adopt_train_layout). The plan names a graph in the model's
         own precision (as ah.plan, also on meta devices, captures it); under mixed
-        precision the programs run under autocast. Each graph is exported once for the
-        job and loaded by every rank (runtime/capture_share.py)."""
+        precision the programs run under autocast. Each rank exports each graph once
+        (memoized; AUTOHYBRID_CAPTURE_SHARE=1: once for the job, loaded by every rank,
+        runtime/capture_share.py)."""
         model, inputs, autocast = self.model, self.example_inputs, self.autocast
         if example_targets is None:
             named = capture_once(model, inputs, with_loss=False)

@@ -197,12 +197,14 @@ class _Fails(_Net):
 
 
 @pytest.mark.procs
-def test_ranks_load_rank_zeros_graph_or_capture_their_own():
+def test_ranks_load_rank_zeros_graph_or_capture_their_own(monkeypatch):
     """Ranks with one model all run rank 0's serialized graph (rank 0 too); ranks whose
     models differ each capture their own; when one rank cannot load rank 0's graph,
     every rank runs its own export (rank 0 too: no job mixes loaded and exported
     graphs); a capture that fails raises the same error on every rank (no rank is left
-    waiting for rank 0)."""
+    waiting for rank 0). Sharing is opt-in (AUTOHYBRID_CAPTURE_SHARE=1); off, each rank
+    exports its own."""
+    monkeypatch.setenv("AUTOHYBRID_CAPTURE_SHARE", "1")   # the ranks take this environment
     same = pool_launch(_share_rank, 2, args=("same",), timeout_s=120)
     assert all(origin.startswith("wire:") for origin, _ in same)
     assert len(set(same)) == 1
@@ -215,6 +217,11 @@ def test_ranks_load_rank_zeros_graph_or_capture_their_own():
     fails = pool_launch(_share_rank, 2, args=("fails",), timeout_s=120)
     assert [kind for kind, _ in fails] == ["raised", "raised"]
     assert fails[0] == fails[1] and "could not capture" in fails[0][1]
+    # off: each rank its own export (these ranks are fresh: the refusal above ended the
+    # pool, so no rank holds the model's graph from before)
+    monkeypatch.setenv("AUTOHYBRID_CAPTURE_SHARE", "0")
+    own = pool_launch(_share_rank, 2, args=("same",), timeout_s=120)
+    assert [origin for origin, _ in own] == ["export", "export"] and own[0][1] == own[1][1]
 
 
 def test_a_memoized_graph_keeps_no_parameter_of_its_model_alive():

@@ -1,12 +1,21 @@
-"""Capture once per job: rank 0 exports the model, every rank loads that one graph.
+"""Capture once per job (opt-in): rank 0 exports the model, every rank loads that graph.
 
 Owns the exchange at `ah.compile` time (called by compiled.py on every rank, where the
 default process group spans the job). It does not trace (capture.py) nor define the
 bytes (capture_wire.py).
 
-Why: each rank would otherwise export the same model, seconds each on cores the ranks
-share (a 4-rank test on two cores spent a third of its time there). And why every rank,
-rank 0 too, runs the *loaded* graph: a graph carries its symbolic-shape environment, and
+Off unless `AUTOHYBRID_CAPTURE_SHARE=1`: measured on the 2-core CI machine (torch 2.13,
+warm ranks, llama-tiny's training graph), loading the serialized graph costs 0.85 of an
+export (1.43 s against 1.67 s; torch's deserializer re-parses every symbolic shape) and
+rank 0 adds its export and the serialization (0.53 s) before anyone can load, so on N
+ranks sharing costs E + D + N·L of CPU against N·E for every rank exporting at once, and
+more wall time (the other ranks wait for rank 0). The multi-process suite spent 12% less
+CPU with it off (1647 s against 1873 s). Each rank's own export is memoized
+(capture_cache.py), so a process exports a model once either way. On GPUs ranks never
+share (below). It stays for a job whose export is far slower than its load.
+
+Why every rank, rank 0 too, runs the *loaded* graph when sharing: a graph carries its
+symbolic-shape environment, and
 what that environment can prove (that a batch dim is symbolic, a size divides) decides
 some rewrites, e.g. the loss form (passes/global_loss.py). A loaded graph's environment
 is rebuilt from the bytes (capture_wire.py sends the exporting one's symbol ranges and
@@ -30,7 +39,7 @@ The steps, each a collective over the default group:
    export), so no job mixes loaded and exported graphs; else each memoizes the loaded
    one.
 
-`AUTOHYBRID_CAPTURE_SHARE=0` makes every rank export for itself (for bisecting).
+`AUTOHYBRID_CAPTURE_SHARE=1` turns it on; unset or 0, every rank exports for itself.
 """
 from __future__ import annotations
 
@@ -49,7 +58,7 @@ _log = logging.getLogger("autohybrid.capture")
 
 
 def enabled() -> bool:
-    return os.environ.get("AUTOHYBRID_CAPTURE_SHARE", "1") != "0"
+    return os.environ.get("AUTOHYBRID_CAPTURE_SHARE", "0") not in ("", "0")
 
 
 def capture_once(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = None,
