@@ -43,6 +43,7 @@ from .runtime.failures import record_step
 from .runtime.capture_share import capture_once
 from .runtime.comm_device import bind as bind_comm_device
 from .runtime.device_check import from_env as check_collective_devices
+from .runtime.pretune import pretune, program_graphs, tuning_active
 from .runtime.safetensors_io import export_safetensors, import_safetensors
 from .runtime.checkpoint_state import (guard_optimizer_load, hook_whole_loads, load_compiled,
                                        save_compiled)
@@ -145,6 +146,7 @@ class CompiledModel:
         #: train_steps completed (a skipped fp16 step counts): what a checkpoint records
         self.step = 0
         self._stepped = False  # a train_step completed (runtime/timeouts.step_bound)
+        self._pretuned: set[str] = set()  # programs whose fused kernels were tuned
         record_step(0)
 
     def _capture_at_compile(self, example_targets: Any) -> CapturedGraph:
@@ -439,10 +441,28 @@ class CompiledModel:
         for p in [*self._trained_params().values(), *self._optimizer_params()]:
             p.grad = None
         train = self.programs["train"]
+        self._pretune("train", train, (inputs, targets), local)
         result = self.executor.forward_backward(train.runnable, train.loss_kind, inputs,
                                                 targets, local, self._runner("train"))
         self.found_inf = result.found_inf
         return result.loss
+
+    def _pretune(self, kind: str, program: Any, batch: tuple, local: bool) -> None:
+        """Before a program's first run (and its collectives): tune its fused kernels at
+        this rank's first microbatch's sizes, the ranks agreeing (runtime/pretune.py)."""
+        if kind in self._pretuned:
+            return
+        self._pretuned.add(kind)
+        if not tuning_active(self.device):   # CPU, the interpreter: launches not tuned
+            return
+        shard = self.executor.local_slice if not local else (lambda ts, w: list(ts))
+        try:
+            first = [self.executor.microbatches(shard(ts, what), what)[0] if ts else []
+                     for ts, what in zip(batch, ("inputs", "targets"))]
+        except AutohybridError:   # the step says what is wrong; tune at example sizes
+            first = [[], []]
+        pretune(program_graphs(program), self.device, program.captured,
+                [*first[0], *first[1]])
 
     def train_step(self, inputs: Any, targets: Any = None, *, local: bool = False,
                    max_grad_norm: float | None = None) -> torch.Tensor:
@@ -557,6 +577,7 @@ class CompiledModel:
         program = self.programs.get(kind) or self._rewrite(kind, cap)
         tensors = self._inputs(inputs, "inputs", len(self.example_inputs))
         self._check_batch(cap, tensors, local=False)
+        self._pretune(kind, program, (tensors, []), local=False)
         try:
             with torch.no_grad():
                 return self.executor.forward(program.runnable, tensors, self._runner(kind))

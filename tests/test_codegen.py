@@ -430,6 +430,7 @@ def test_autotuning_keeps_the_fastest_launch_and_every_launch_is_exact(monkeypat
     runs them): every one computes the region exactly, forward and backward, the kept
     one is the fastest, and a second call does not time again."""
     monkeypatch.setattr(tgen, "TUNE_IN_INTERPRETER", True)
+    monkeypatch.setattr(tgen, "_FROZEN", [False])
     assert len(tgen.configs(15, 37, False)) == 3 and len(tgen.configs(6, 37, True)) == 2
     assert {c[1] for c in tgen.configs(6, 37, True)} == {64}   # a reduction keeps its row
     preferences = [lambda c: -c[0], lambda c: c[0], lambda c: c[1] * 1e4 + c[0]]
@@ -450,7 +451,7 @@ def test_autotuning_keeps_the_fastest_launch_and_every_launch_is_exact(monkeypat
         assert len(tgen._TUNED) == 2
         run_and_check(where_casts, [(4, 33), (4, 33)], torch.float32, seed=8)
         assert len(tgen._TUNED) == 4   # forward and backward (nothing broadcast)
-        for (_, rows, n, whole), config in tgen._TUNED.items():
+        for (_, _, rows, n, whole), config in tgen._TUNED.items():
             assert config == min(tgen.configs(rows, n, whole), key=prefer)
         count = len(timed)
         run_and_check(rms, [(6, 37), (37,)], torch.float32, seed=7)

@@ -166,6 +166,7 @@ def test_tuned_launches_are_kept_on_disk_by_source_shape_and_device(monkeypatch,
     times again."""
     monkeypatch.setenv("AUTOHYBRID_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setattr(tgen, "_TUNED", {})
+    monkeypatch.setattr(tgen, "_FROZEN", [False])
     path = tgen.write_source("tuning_probe", "def probe_kernel(x):\n    return x\n")
     ns: dict = {}
     exec(compile(path.read_text(), str(path), "exec"), ns)

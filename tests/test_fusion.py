@@ -323,9 +323,42 @@ def _count_launches() -> list[bool]:
     return launched
 
 
-def _interpreted_rank(rank: int, world: int, constraints: ah.Constraints | None) -> list[str]:
+def _fake_tuning(rank: int) -> dict[str, int]:
+    """Launch tuning on in the interpreter (a fresh spawned rank: nothing to undo) with a
+    stand-in timer that prefers other tiles on each rank and counts where it was called:
+    inside `pretune` (compiled.py's, before a program's first run) or anywhere else."""
+    import autohybrid.compiled as compiled_module
+    from autohybrid.codegen import triton as tgen
+
+    counts = {"pretune": 0, "elsewhere": 0}
+    inside = [False]
+
+    def timer(fn, config):
+        counts["pretune" if inside[0] else "elsewhere"] += 1
+        fn()
+        return float(config[0] if rank % 2 == 0 else -config[0])
+
+    original = compiled_module.pretune
+
+    def pretune(*args, **kwargs):
+        inside[0] = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    tgen.TUNE_IN_INTERPRETER = True
+    tgen.time_launch = timer
+    compiled_module.pretune = pretune
+    return counts
+
+
+def _interpreted_rank(rank: int, world: int, constraints: ah.Constraints | None
+                      ) -> tuple[list[str], dict]:
     import os
+    from autohybrid.codegen import triton as tgen
     fails = Failures()
+    tuning = _fake_tuning(rank)
     fails.check(f"TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r}",
                 os.environ.get("TRITON_INTERPRET") == "1")
     launched = _count_launches()
@@ -344,7 +377,9 @@ def _interpreted_rank(rank: int, world: int, constraints: ah.Constraints | None)
                     {k.key for k in compiled.kernels} == keys and len(keys) >= 2)
     fails.check(f"{len(launched)} kernel launches, interpreted: {set(launched)}",
                 len(launched) > 0 and all(launched))
-    return fails
+    # launches tuned before the first step (and the forward's first run), never inside
+    fails.check(f"timed launches: {tuning}", tuning["pretune"] > 0 and tuning["elsewhere"] == 0)
+    return list(fails), tgen.tuning_choices()
 
 
 @pytest.mark.procs
@@ -355,4 +390,8 @@ def test_gpt_trains_like_eager_through_interpreted_fused_kernels(monkeypatch, wo
     monkeypatch.setenv("TRITON_INTERPRET", "1")   # fresh processes read it before triton
     results = ah.launch(_interpreted_rank, ah.Cluster.local(world),
                         args=(world, constraints), timeout_s=guard(220), start_method="spawn")
-    assert not any(results), report(results)
+    assert not any(fails for fails, _ in results), report([fails for fails, _ in results])
+    # every rank launches each kernel with the same tiles, though each rank's own timer
+    # prefers others (rank 0's choice, agreed before the first step)
+    choices = [c for _, c in results]
+    assert choices[0] and all(c == choices[0] for c in choices), choices

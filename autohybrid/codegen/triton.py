@@ -236,18 +236,60 @@ def tuned(kernel, R: int, N: int, rows_whole: bool, run, timer, device: str | No
     rank has tuned) takes it without timing. The config never changes a kernel's result
     (`configs`), only its speed."""
     shape = (_pow2(R), N if rows_whole else _pow2(N), rows_whole)
-    key = ((id(kernel),) if device is None else (_source_hash(kernel), device)) + shape
+    key = (_source_hash(kernel), device or "host") + shape
     if key not in _TUNED:
         choices = configs(R, N, rows_whole)
         saved = _saved().get("|".join(map(str, key))) if device is not None else None
         if saved is not None and tuple(saved) in choices:
             _TUNED[key] = tuple(saved)
+        elif _FROZEN[0]:      # a step is running: the default launch, never a timing
+            _TUNED[key] = choices[0]
         else:
             timed = [(timer(lambda c=c: run(c), c), i, c) for i, c in enumerate(choices)]
             _TUNED[key] = min(timed)[2]
             if device is not None:
                 _save("|".join(map(str, key)), _TUNED[key])
     return _TUNED[key]
+
+
+#: set by `freeze_tuning` once a compiled model's first step begins (runtime/pretune.py
+#: tuned its kernels before it): a shape class met later takes the default launch
+_FROZEN = [False]
+
+
+def freeze_tuning(frozen: bool = True) -> None:
+    """From now on `tuned` never times (no device synchronization while collectives are
+    in flight): an untuned shape class takes `configs`' default."""
+    _FROZEN[0] = frozen
+
+
+def tuning_active(device: torch.device) -> bool:
+    """Whether `launch` tunes launches on `device`: on a GPU (in the interpreter only
+    when a test sets TUNE_IN_INTERPRETER), unless AUTOHYBRID_AUTOTUNE=0."""
+    if os.environ.get("AUTOHYBRID_AUTOTUNE") == "0":
+        return False
+    return device.type == "cuda" or TUNE_IN_INTERPRETER
+
+
+def tuning_choices() -> dict[str, tuple[int, int, int]]:
+    """The launches chosen in this process, by a key that names the same kernel and
+    shape class in every process (kernel source digest, device name, rows, row length)."""
+    return {"|".join(map(str, key)): config for key, config in _TUNED.items()}
+
+
+def install_choices(choices: dict[str, tuple[int, int, int]]) -> int:
+    """Take `choices` (`tuning_choices`' form, e.g. another rank's) for the kernels and
+    shape classes they name; how many replaced this process's own."""
+    by_text = {"|".join(map(str, key)): key for key in _TUNED}
+    changed = 0
+    for text, config in choices.items():
+        key = by_text.get(text)
+        if key is None:
+            source, device, rows, n, whole = text.split("|")
+            key = (source, device, int(rows), int(n), whole == "True")
+        changed += key in _TUNED and _TUNED[key] != tuple(config)
+        _TUNED[key] = tuple(config)
+    return changed
 
 
 def tuning_file() -> Path:
