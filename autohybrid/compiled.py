@@ -461,8 +461,11 @@ class CompiledModel:
                      for ts, what in zip(batch, ("inputs", "targets"))]
         except AutohybridError:   # the step says what is wrong; tune at example sizes
             first = [[], []]
+        # every rank runs a train_step, and a forward under tp or pp (its collectives);
+        # under dp alone a rank may run the forward alone: it tunes without agreeing
+        agree = kind == "train" or self.plan.mesh.tp > 1 or self.plan.mesh.pp > 1
         pretune(program_graphs(program), self.device, program.captured,
-                [*first[0], *first[1]])
+                [*first[0], *first[1]], agree=agree)
 
     def train_step(self, inputs: Any, targets: Any = None, *, local: bool = False,
                    max_grad_norm: float | None = None) -> torch.Tensor:

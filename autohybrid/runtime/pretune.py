@@ -119,13 +119,15 @@ def _hint(shape: Sequence, sizes: dict) -> list[int] | None:
 
 
 def pretune(graphs: Iterable[fx.GraphModule], device: torch.device, captured: Any = None,
-            batch: Sequence[torch.Tensor] = (), group: dist.ProcessGroup | None = None) -> int:
+            batch: Sequence[torch.Tensor] = (), group: dist.ProcessGroup | None = None,
+            agree: bool = True) -> int:
     """Tune every fused region of `graphs` on `device` (forward and the backward of every
     float input) at the sizes `batch` (this rank's first microbatch) gives the symbols of
     `captured`'s inputs, agree with the other ranks of `group` (the default group; a
     collective: every rank calls it where tuning is active, which is alike on every rank
-    of one device type) and freeze tuning. Returns how many regions were launched (0
-    where launches are not tuned here)."""
+    of one device type; `agree=False`: no collective, for a program one rank may run
+    alone, a forward under dp) and freeze tuning. Returns how many regions were launched
+    (0 where launches are not tuned here)."""
     if not tgen.tuning_active(device):
         return 0
     calls = fused_calls(graphs, bind_sizes(captured, batch) if captured is not None else {})
@@ -138,7 +140,8 @@ def pretune(graphs: Iterable[fx.GraphModule], device: torch.device, captured: An
             if any(t.is_floating_point() for t in inputs):
                 grads = [torch.ones_like(o) for o in outs]
                 torch.ops.autohybrid.fused_region_backward(inputs, grads, key, None)
-    _agree(group)
+    if agree:
+        _agree(group)
     tgen.freeze_tuning()
     _log.info("tuned %d fused regions before the first step", len(calls))
     return len(calls)
