@@ -15,11 +15,11 @@ figures); the exit status is 1 when any section is not "ok" or any check in it f
   bandwidth (`dst.copy_(src)`, bytes read + written per second, CUDA events) and the
   bf16 GEMM rate (autohybrid/calibrate.py `measure_matmul`: 4096-8192 squares and GPT
   shapes), beside the spec figures of autohybrid/hardware.py.
-- kernels: the fused patterns of a GPT block (benchmarks/kernels.py's `patterns`, the
+- kernels: the fused patterns of a GPT block (benchmarks/fused_kernels.py's `patterns`, the
   ones `passes.fusion` fuses in the zoo's GPT, plus the softmax of attention scores) at
   GPT-3 XL sizes: autohybrid's generated kernel against eager and `torch.compile`
   (inductor), forward and forward+backward: equal to eager (max scaled abs diff within
-  benchmarks/kernels.py's tolerance), times, GB/s and % of the measured bandwidth.
+  benchmarks/fused_kernels.py's tolerance), times, GB/s and % of the measured bandwidth.
 - gpt: the GPT-3 XL shape (24 layers, hidden 2048, 16 heads, vocabulary 51200; sequence
   1024, batch 4) in bf16 mixed precision on one rank, SGD: eager under autocast,
   `torch.compile` of it, autohybrid with fusion and without (AUTOHYBRID_DISABLE_PASSES=
@@ -52,7 +52,7 @@ SECTIONS = ("roofline", "kernels", "gpt", "dist")
 #: seconds per section on a GPU (sum 450 s: under 8 minutes with the start-ups) and on CPU
 TIMEOUT_GPU = {"roofline": 45, "kernels": 120, "gpt": 195, "dist": 90}
 TIMEOUT_CPU = {"roofline": 60, "kernels": 120, "gpt": 120, "dist": 120}
-#: the patterns of benchmarks/kernels.py run here: a GPT block's
+#: the patterns of benchmarks/fused_kernels.py run here: a GPT block's
 GPT_PATTERNS = ("add+layernorm", "bias+gelu", "softmax")
 #: relative difference of first-step losses still called equal (bf16 on GPU, fp32 on CPU)
 LOSS_RTOL = {"gpu": 2e-2, "cpu": 1e-4}
@@ -224,7 +224,7 @@ def roofline(out: Path, cpu: bool) -> dict[str, Any]:
 def kernels(out: Path, cpu: bool) -> dict[str, Any]:
     import torch
 
-    import kernels as kb   # benchmarks/kernels.py (on PYTHONPATH via section_env)
+    import fused_kernels as kb   # benchmarks/fused_kernels.py (on PYTHONPATH via section_env)
 
     dev = device(cpu)
     dtype = torch.float32 if cpu else torch.bfloat16
@@ -235,7 +235,7 @@ def kernels(out: Path, cpu: bool) -> dict[str, Any]:
     chosen = [p for p in kb.patterns(kb.SMOKE if cpu else kb.FULL) if p.name in GPT_PATTERNS]
     missing = set(GPT_PATTERNS) - {p.name for p in chosen}
     if missing:
-        raise RuntimeError(f"benchmarks/kernels.py has no pattern named {sorted(missing)}")
+        raise RuntimeError(f"benchmarks/fused_kernels.py has no pattern named {sorted(missing)}")
     rows = []
     for p in chosen:
         r = kb.run_pattern(p, dtype, dev, timer, None if cpu else "inductor", zoo, launches)

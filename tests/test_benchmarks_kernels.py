@@ -1,4 +1,4 @@
-"""benchmarks/kernels.py: its smoke run (`--smoke`: tiny sizes, the fused kernels in
+"""benchmarks/fused_kernels.py: its smoke run (`--smoke`: tiny sizes, the fused kernels in
 Triton's interpreter) exits 0 and prints, for every fused pattern, a row in the
 forward and the forward+backward tables marked as equal to eager, and a check line
 saying the generated kernel ran (its timings are not checked); and the bytes a fused
@@ -20,7 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import kernels as kb  # noqa: E402  (benchmarks/kernels.py)
+import fused_kernels as kb  # noqa: E402  (benchmarks/fused_kernels.py; not "kernels": Hugging Face's `kernels` package is probed by transformers)
 
 aten = torch.ops.aten
 
@@ -31,7 +31,7 @@ def test_smoke_run_prints_every_pattern_equal_to_eager():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
            "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "benchmarks/kernels.py", "--smoke"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "benchmarks/fused_kernels.py", "--smoke"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=guard(170))
     elapsed = time.monotonic() - start
     out = proc.stdout

@@ -250,7 +250,8 @@ def test_under_torchrun_a_killed_or_sleeping_rank_ends_the_job(tmp_path, how, st
     script.write_text(textwrap.dedent(TORCHRUN_SCRIPT.format(tests=str(REPO / "tests"))))
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOHYBRID_")}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
-               AUTOHYBRID_COLLECTIVE_TIMEOUT_S=TIMEOUT_S)
+               AUTOHYBRID_COLLECTIVE_TIMEOUT_S=TIMEOUT_S,
+               AUTOHYBRID_CHECK_COLLECTIVE_DEVICES="1")  # as in every multi-process test
     pids = tmp_path / "pids"
     pids.mkdir()
     restarts = ["--max-restarts", "1"] if how == "sigkill-restart" else []

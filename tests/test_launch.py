@@ -291,7 +291,8 @@ def test_same_script_under_torchrun(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(TORCHRUN_SCRIPT))
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOHYBRID_")}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1",
+               AUTOHYBRID_CHECK_COLLECTIVE_DEVICES="1")  # as in every multi-process test
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
          "--nproc-per-node", "2", str(script)],

@@ -193,7 +193,8 @@ def _run_two_nodes(tmp_path: Path, script: Path = SCRIPT,
     tag, port = uuid.uuid4().hex, free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("AUTOHYBRID_")}
     env.update({"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", TAG: tag,
-                "AUTOHYBRID_COLLECTIVE_TIMEOUT_S": "30"})
+                "AUTOHYBRID_COLLECTIVE_TIMEOUT_S": "30",
+                "AUTOHYBRID_CHECK_COLLECTIVE_DEVICES": "1"})  # as in every multi-process test
     procs: list[subprocess.Popen] = []
     try:
         for node in range(NODES):

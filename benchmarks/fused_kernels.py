@@ -2,9 +2,9 @@
 torch.compile, one GPT training step with fusion on and off against eager, and the GEMM
 and attention efficiencies the cost model assumes.
 
-    PYTHONPATH=. python benchmarks/kernels.py [--dtype bfloat16] [--bandwidth-gbs 4800]
+    PYTHONPATH=. python benchmarks/fused_kernels.py [--dtype bfloat16] [--bandwidth-gbs 4800]
                                               [--sections patterns,train,gemm,attention]
-    PYTHONPATH=. python benchmarks/kernels.py --smoke    # CPU: tiny, Triton's interpreter
+    PYTHONPATH=. python benchmarks/fused_kernels.py --smoke    # CPU: tiny, Triton's interpreter
 
 What each section measures (one process, one device):
 
@@ -670,7 +670,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meaningless = "" if gpu else " — CPU: times, GB/s and %peak say nothing about a GPU"
     where = f"{dev_name}{meaningless}"
     interpret = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-    print(f"# benchmarks/kernels.py{' --smoke' if args.smoke else ''}: device {dev_name}, "
+    print(f"# benchmarks/fused_kernels.py{' --smoke' if args.smoke else ''}: device {dev_name}, "
           f"torch {torch.__version__}, dtype {str(dtype).removeprefix('torch.')}, "
           f"TRITON_INTERPRET={'1' if interpret else 'unset'}")
     print(f"memory bandwidth {bandwidth / 1e9:.0f} GB/s and peak "
