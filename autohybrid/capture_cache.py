@@ -245,6 +245,23 @@ class _Walker:
                     out.append((name, "object", self.ref(obj)))
         return tuple(out)
 
+    def held_module(self, m: nn.Module, depth: int) -> tuple:
+        """A module an attribute holds outside the module tree, as a tree module is keyed:
+        its class and code, plain attributes, parameters and buffers by shape, and its
+        submodules (depth-limited); one with hooks has no fingerprint."""
+        out = []
+        for name, sub in m.named_modules(remove_duplicate=False):
+            if any(getattr(sub, h, None) for h in _HOOKS):
+                raise Uncacheable(f"hooks on a held module's {name or 'root'}")
+            attrs = tuple(sorted((k, self.value(x, depth - 1)) for k, x in vars(sub).items()
+                                 if k not in _MODULE_INTERNALS))
+            params = tuple((k, None if t is None else _tensors([t])[0])
+                           for k, t in sub._parameters.items())
+            buffers = tuple((k, None if t is None else _tensors([t])[0])
+                            for k, t in sub._buffers.items())
+            out.append((name, self.class_code(type(sub)), attrs, params, buffers))
+        return ("module", tuple(out))
+
     def value(self, v: Any, depth: int) -> Any:
         """A hashable fingerprint of an attribute value; Uncacheable when it has none."""
         if depth < 0:
@@ -266,8 +283,8 @@ class _Walker:
             return ("dict", tuple(sorted(items, key=lambda kv: kv[0])))
         if isinstance(v, weakref.ref):   # e.g. an LSTM's references to its weights
             return ("weakref", self.value(v(), depth - 1))
-        if isinstance(v, nn.Module):
-            raise Uncacheable("a module held outside the module tree")
+        if isinstance(v, nn.Module):   # held outside the module tree (transformers 5.25
+            return self.held_module(v, depth)   # keeps kernel wrappers in `_kernel_funcs`)
         if isinstance(v, (types.FunctionType, types.MethodType, functools.partial)):
             return self.callable(v, min(depth, _CODE_DEPTH))
         if isinstance(v, (type, types.BuiltinFunctionType, types.ModuleType, logging.Logger)):

@@ -180,3 +180,40 @@ def test_zoo_and_hugging_face_models_hit_and_equal_a_fresh_export(monkeypatch):
         fresh = capture(make()[0], (x,), make()[1], y)
         monkeypatch.delenv("AUTOHYBRID_CAPTURE_CACHE")
         assert fresh.gm is not first.gm and fresh.hash == hit.hash, name
+
+
+class _Scale(nn.Module):
+    def __init__(self, factor: float):
+        super().__init__()
+        self.factor = factor
+
+    def forward(self, x):
+        return x * self.factor
+
+
+class _HoldsAModule(nn.Module):
+    """As transformers 5.25's attention holds kernel wrappers in `_kernel_funcs`: modules
+    in a plain attribute, outside the module tree."""
+
+    def __init__(self, factor: float = 2.0):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self._kernel_funcs = {"scale": _Scale(factor)}
+
+    def forward(self, x):
+        return self._kernel_funcs["scale"](self.lin(x))
+
+
+def test_a_module_held_outside_the_tree_is_keyed_by_its_class_and_attributes():
+    x, y = torch.randn(3, 4), torch.randint(0, 4, (3,))
+
+    def key(model):
+        return capture_cache.capture_key(model, (x,), (y,), F.cross_entropy,
+                                         with_loss=True, autocast=None)[0]
+
+    assert key(_HoldsAModule()) == key(_HoldsAModule())          # memoized, and hits
+    assert key(_HoldsAModule(3.0)) != key(_HoldsAModule())       # its attribute counts
+    held = _HoldsAModule()
+    held._kernel_funcs["scale"].register_forward_hook(lambda *a: None)
+    assert capture_cache.capture_key(held, (x,), (y,), F.cross_entropy, with_loss=True,
+                                     autocast=None) is None       # hooks: no fingerprint
