@@ -30,7 +30,9 @@ What it does not see: code more than three calls below a forward; a global objec
 has no value fingerprint (it is taken by identity, so a change of its attributes goes
 unseen); state outside the model that a forward reads through a call into C++. In-process
 only: nothing is written to disk, so a file edited on disk is a new process's concern.
-`AUTOHYBRID_CAPTURE_CACHE=0` switches the memo off (each capture exports afresh).
+`AUTOHYBRID_CAPTURE_CACHE=0` switches the memo off (each capture exports afresh);
+`AUTOHYBRID_CAPTURE_CACHE_SIZE` sets how many graphs it keeps (default 16, least recently
+used dropped first).
 
     >>> key = capture_key(model, inputs, targets, loss_fn, with_loss=True, autocast=None)
     >>> cached = lookup(key, model)      # None, or a CapturedGraph for this model
@@ -53,7 +55,12 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn as nn
 
+from .errors import CaptureError
+
 MAX_ENTRIES = 16          # graphs kept per process (least recently used dropped first)
+#: environment variable: how many graphs a process keeps instead (a test suite that
+#: trains dozens of small models in each warm rank sets it higher)
+SIZE_ENV = "AUTOHYBRID_CAPTURE_CACHE_SIZE"
 _CODE_DEPTH = 3           # levels of called functions whose globals are fingerprinted
 _VALUE_DEPTH = 8          # nesting of attribute values (configs, containers)
 
@@ -79,6 +86,22 @@ def enabled() -> bool:
 
 def clear() -> None:
     _memo.clear()
+
+
+def max_entries() -> int:
+    """Graphs kept per process: `AUTOHYBRID_CAPTURE_CACHE_SIZE`, else MAX_ENTRIES."""
+    raw = os.environ.get(SIZE_ENV, "").strip()
+    if not raw:
+        return MAX_ENTRIES
+    try:
+        size = int(raw)
+    except ValueError:
+        size = -1
+    if size < 1:
+        raise CaptureError(f"{SIZE_ENV}={raw!r}: give a whole number of graphs, 1 or more "
+                          f"(default {MAX_ENTRIES}; AUTOHYBRID_CAPTURE_CACHE=0 switches "
+                          "the memo off)")
+    return size
 
 
 # ----------------------------------------------------------------------------- the key
@@ -366,9 +389,10 @@ def store(key: Any, cap: Any) -> None:
     if key is None or not enabled():
         return
     k, refs = key
+    size = max_entries()   # a bad setting is refused before the memo changes
     _memo[k] = (_copy(cap), refs)
     _memo.move_to_end(k)
-    while len(_memo) > MAX_ENTRIES:
+    while len(_memo) > size:
         _memo.popitem(last=False)
 
 

@@ -66,6 +66,12 @@ _import_triton_for_its_interpreter()
 #: each run; torchrun's inherit it too). Set it to 0 to run without.
 os.environ.setdefault("AUTOHYBRID_CHECK_COLLECTIVE_DEVICES", "1")
 
+#: the capture memo keeps 256 graphs instead of 16 (autohybrid/capture_cache.py): a warm
+#: rank (tests/_pool.py) sees dozens of small models across the suite, and at 16 it
+#: exported the ones it had dropped again (186 of the multi-process part's 701 CPU-seconds
+#: of export on 2026-12-04). A test of the memo's own bound sets it itself.
+os.environ.setdefault("AUTOHYBRID_CAPTURE_CACHE_SIZE", "256")
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "procs: the test starts processes (not in make "

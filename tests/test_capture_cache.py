@@ -217,3 +217,22 @@ def test_a_module_held_outside_the_tree_is_keyed_by_its_class_and_attributes():
     held._kernel_funcs["scale"].register_forward_hook(lambda *a: None)
     assert capture_cache.capture_key(held, (x,), (y,), F.cross_entropy, with_loss=True,
                                      autocast=None) is None       # hooks: no fingerprint
+
+
+def test_the_memo_keeps_the_graphs_used_last_up_to_its_size(monkeypatch):
+    """At most `AUTOHYBRID_CAPTURE_CACHE_SIZE` graphs (default 16): the least recently
+    used is dropped and exported again; a bad size is refused with what to set."""
+    monkeypatch.delenv(capture_cache.SIZE_ENV, raising=False)
+    assert capture_cache.max_entries() == capture_cache.MAX_ENTRIES == 16
+    monkeypatch.setenv(capture_cache.SIZE_ENV, "2")
+    a, b, c = (cap_of(Net(layers=n))[0] for n in (1, 2, 3))
+    assert cap_of(Net(layers=3))[0].gm is c.gm          # kept
+    assert cap_of(Net(layers=2))[0].gm is b.gm          # kept, and now used last
+    assert cap_of(Net(layers=1))[0].gm is not a.gm      # dropped: exported again
+    assert len(capture_cache._memo) == 2
+    assert cap_of(Net(layers=3))[0].gm is not c.gm      # dropped by that export
+    for bad in ("0", "-3", "many"):
+        monkeypatch.setenv(capture_cache.SIZE_ENV, bad)
+        with pytest.raises(ah.CaptureError, match="AUTOHYBRID_CAPTURE_CACHE_SIZE"):
+            cap_of(Net(layers=4))
+        assert len(capture_cache._memo) == 2                # refused before storing
