@@ -173,13 +173,13 @@ def _share_rank(rank: int, mode: str) -> tuple:
     from autohybrid.runtime.capture_share import capture_once
 
     torch.manual_seed(0)
-    width = {"same": 8, "differ": 8 * (rank + 2), "refuse": 40, "fails": 8}[mode]
+    width = {"same": 8, "differ": 8 * (rank + 2), "refuse": 40, "fails": 8, "own": 56}[mode]
     if mode == "refuse" and rank == 1:   # this rank cannot load rank 0's graph
         from autohybrid.runtime import capture_share
 
         def refuse(*args, **kwargs):
             raise capture_wire.WireMismatch("injected: this rank cannot load it")
-        capture_share.capture_from = refuse   # (the pool ends these ranks after the run)
+        capture_share.capture_from = refuse   # (the pool replaces this rank after the run)
     model = _Net(width) if mode != "fails" else _Fails()
     x, y = torch.randn(4, width), torch.randint(0, 4, (4,))
     try:
@@ -217,10 +217,10 @@ def test_ranks_load_rank_zeros_graph_or_capture_their_own(monkeypatch):
     fails = pool_launch(_share_rank, 2, args=("fails",), timeout_s=120)
     assert [kind for kind, _ in fails] == ["raised", "raised"]
     assert fails[0] == fails[1] and "could not capture" in fails[0][1]
-    # off: each rank its own export (these ranks are fresh: the refusal above ended the
-    # pool, so no rank holds the model's graph from before)
+    # off: each rank its own export (of a width no run above used, so no warm rank holds
+    # its graph in the capture memo)
     monkeypatch.setenv("AUTOHYBRID_CAPTURE_SHARE", "0")
-    own = pool_launch(_share_rank, 2, args=("same",), timeout_s=120)
+    own = pool_launch(_share_rank, 2, args=("own",), timeout_s=120)
     assert [origin for origin, _ in own] == ["export", "export"] and own[0][1] == own[1][1]
 
 
