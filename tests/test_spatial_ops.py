@@ -143,6 +143,33 @@ def test_one_rank_axis_is_padding_and_identity():
         groups.clear()
 
 
+def _joint(x):
+    t = spatial_split(x, 2, "sh")
+    y = F.conv1d(halo_fetch(t, 2, 9, 9, 3, 1, 1, 1, "sh", 0.0), torch.ones(2, 3, 3, dtype=D))
+    g = spatial_gather(y, 2, 9, "sh")
+    return torch.autograd.grad(g.sum(), x)[0]
+
+
+def test_joint_trace_holds_the_partner_ops():
+    """make_fx of forward + backward: each op's backward is its partner op (halo_fetch ↔
+    halo_return, spatial_split ↔ spatial_gather), so a joint graph holds only
+    autohybrid:: nodes for the communication."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    groups.bind("sh", None)
+    try:
+        gm = make_fx(_joint, tracing_mode="fake")(torch.randn(2, 3, 9, dtype=D,
+                                                              requires_grad=True))
+        ops = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+        ah = torch.ops.autohybrid
+        # split, fetch, gather; then gather's backward (split), the fetch's (halo_return)
+        # and split's (gather)
+        for op, count in ((ah.halo_fetch, 1), (ah.halo_return, 1), (ah.spatial_split, 2),
+                          (ah.spatial_gather, 2)):
+            assert ops.count(op.default) == count, (op, ops)
+    finally:
+        groups.clear()
+
+
 # ============================================================== multi-rank cases
 
 def _case(op, shape, k, s, p, d, dims, world=None):
@@ -328,6 +355,21 @@ def _errors(world: int) -> list[str]:
     return seen
 
 
+def _adjoint(where) -> dict:
+    """halo_return is halo_fetch's adjoint (<fetch(x), g> = <x, return(g)> summed over the
+    ranks), and its own backward is halo_fetch with zero padding (kernel 7, dilation 2:
+    rows from two ranks away)."""
+    args = (2, 13, 13, 7, 1, 6, 2, "sh")
+    x = _tile(_rand(2, 3, 13, seed=50), ((2, "sh"),), where)
+    slab = halo_fetch(x, *args, 0.0)
+    g = _rand(*slab.shape, seed=51 + where["sh"][0]).requires_grad_()
+    back = halo_return(g, *args)
+    v = _tile(_rand(2, 3, 13, seed=52), ((2, "sh"),), where)
+    (dg,) = torch.autograd.grad(back, g, v)
+    return {"dots": ((slab * g).sum().detach(), (x * back).sum().detach()),
+            "dg": (dg, halo_fetch(v, *args, 0.0))}
+
+
 def _spatial_rank(rank: int, world: int) -> dict:
     out = {}
     try:
@@ -338,6 +380,7 @@ def _spatial_rank(rank: int, world: int) -> dict:
         out["bn"] = _batch_norm_on_tiles((4, 3, 11, 5), ((2, "sh"),), "sh", where)
         out["chain"] = _chain_on_tiles()
         out["errors"] = _errors(world)
+        out["adjoint"] = _adjoint(where)
         x = _tile(_rand(2, 13, 3, seed=40), ((1, "sh"),), where)
         out["gathered"] = spatial_gather(x, 1, 13, "sh")
         if world == 4:
@@ -455,6 +498,9 @@ def test_spatial_ops_on_tiles_equal_one_process(world):
         _check_batch_norm([r["bn2d"] for r in results], (4, 3, 11, 9),
                           ((2, "sh"), (3, "sw")), [r["where2d"] for r in results])
     _check_chain([r["chain"] for r in results])
+    dots = [r["adjoint"]["dots"] for r in results]
+    _close("<fetch(x), g> vs <x, return(g)>", sum(a for a, _ in dots), sum(b for _, b in dots))
     for r in results:
+        _close("halo_return's backward", *r["adjoint"]["dg"])
         assert r["errors"] == ["empty output tile", "wrong tile"]
         _close("spatial_gather of uneven tiles", r["gathered"], _rand(2, 13, 3, seed=40))
