@@ -321,21 +321,30 @@ class _Chain(torch.nn.Module):
 CHAIN_INPUT = (2, 3, 11, 6)
 
 
-def _chain_on_tiles() -> dict:
-    """The chain with the activation tiled along H over "sh": split, halo, conv, sync BN,
-    relu, halo, conv stride 2, gather, linear. The loss and every gradient."""
+def _chain_on_tiles(dims, bn_axis: str) -> dict:
+    """The chain with the activation tiled along `dims` ((dim, axis) pairs): split, halo,
+    conv, BN synced over `bn_axis`, relu, halo, conv stride 2, gather, linear. The loss
+    and every gradient."""
     m = _Chain()
     x = _rand(*CHAIN_INPUT, seed=30).requires_grad_()
-    h = 11
-    t = spatial_split(x, 2, "sh")
-    t = F.conv2d(halo_fetch(t, 2, h, h, 3, 1, 1, 1, "sh", 0.0), m.c1.weight, m.c1.bias,
-                 padding=(0, 1))
-    t, _, _, _ = sync_batch_norm(t, m.bn.weight, m.bn.bias, m.bn.eps, "sh")
-    t = F.relu(t)
-    h2 = conv_output_size(h, 3, 2, 1)
-    t = F.conv2d(halo_fetch(t, 2, h, h2, 3, 2, 1, 1, "sh", 0.0), m.c2.weight, m.c2.bias,
-                 stride=2, padding=(0, 1))
-    y = m.fc(spatial_gather(t, 2, h2, "sh").flatten(1))
+    t = x
+    for dim, axis in dims:
+        t = spatial_split(t, dim, axis)
+    tiled = {dim for dim, _ in dims}
+
+    def conv(t, layer, stride):
+        for dim, axis in dims:
+            size = CHAIN_INPUT[dim]
+            t = halo_fetch(t, dim, size, conv_output_size(size, 3, stride, 1), 3, stride, 1,
+                           1, axis, 0.0)
+        pads = tuple(0 if dim in tiled else 1 for dim in (2, 3))
+        return F.conv2d(t, layer.weight, layer.bias, stride=stride, padding=pads)
+
+    t, _, _, _ = sync_batch_norm(conv(t, m.c1, 1), m.bn.weight, m.bn.bias, m.bn.eps, bn_axis)
+    t = conv(F.relu(t), m.c2, 2)
+    for dim, axis in reversed(dims):
+        t = spatial_gather(t, dim, conv_output_size(CHAIN_INPUT[dim], 3, 2, 1), axis)
+    y = m.fc(t.flatten(1))
     loss = (y * _rand(*y.shape, seed=31)).sum()
     loss.backward()
     return {"loss": loss.detach(), "dx": x.grad,
@@ -378,7 +387,7 @@ def _spatial_rank(rank: int, world: int) -> dict:
             if case["world"] is None:
                 out[f"window{i}"] = _window_on_tiles(case, where)
         out["bn"] = _batch_norm_on_tiles((4, 3, 11, 5), ((2, "sh"),), "sh", where)
-        out["chain"] = _chain_on_tiles()
+        out["chain"] = _chain_on_tiles(((2, "sh"),), "sh")
         out["errors"] = _errors(world)
         out["adjoint"] = _adjoint(where)
         x = _tile(_rand(2, 13, 3, seed=40), ((1, "sh"),), where)
@@ -391,6 +400,7 @@ def _spatial_rank(rank: int, world: int) -> dict:
             out["bn2d"] = _batch_norm_on_tiles((4, 3, 11, 9), ((2, "sh"), (3, "sw")), "shw",
                                                where)
             out["where2d"] = where
+            out["chain2d"] = _chain_on_tiles(((2, "sh"), (3, "sw")), "shw")
     finally:
         groups.clear()
     return out
@@ -488,8 +498,9 @@ def test_spatial_ops_on_tiles_equal_one_process(world):
     """On `world` gloo ranks: halo_fetch + conv1d/2d/3d, max/avg pooling (kernels 1-7,
     stride 2, dilation 2, uneven tiles; H×W tiles on a 2 × 2 mesh) give the full op's
     output and input, weight and bias gradients; BatchNorm over tiles equals the whole
-    batch's; a conv → BN → relu → conv → gather → linear chain equals eager in loss and
-    every gradient; uneven spatial_gather; misuse raises RuntimeFailure."""
+    batch's; a conv → BN → relu → conv → gather → linear chain (H tiles; H×W on 4) equals
+    eager in loss and every gradient; halo_return is the adjoint; uneven spatial_gather;
+    misuse raises RuntimeFailure."""
     results = pool_launch(_spatial_rank, world, args=(world,), timeout_s=guard(70))
     assert _check_window_cases(results, world) == len(_window_cases(world))
     one_d = [{"sh": (r, world)} for r in range(world)]
@@ -498,6 +509,8 @@ def test_spatial_ops_on_tiles_equal_one_process(world):
         _check_batch_norm([r["bn2d"] for r in results], (4, 3, 11, 9),
                           ((2, "sh"), (3, "sw")), [r["where2d"] for r in results])
     _check_chain([r["chain"] for r in results])
+    if world == 4:
+        _check_chain([r["chain2d"] for r in results])
     dots = [r["adjoint"]["dots"] for r in results]
     _close("<fetch(x), g> vs <x, return(g)>", sum(a for a, _ in dots), sum(b for _, b in dots))
     for r in results:
