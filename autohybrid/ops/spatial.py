@@ -82,6 +82,10 @@ def conv_output_size(size: int, kernel: int, stride: int = 1, padding: int = 0,
     return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
 
 
+def _count(r: Range) -> int:
+    return r[1] - r[0]
+
+
 def _overlap(a: Range, b: Range) -> Range:
     lo, hi = max(a[0], b[0]), min(a[1], b[1])
     return (lo, max(lo, hi))
@@ -106,7 +110,7 @@ class _Routes:
         self.inside = inside[rank][1] - inside[rank][0]
         self.pad_hi = total - self.pad_lo - self.inside
         # any rows crossing ranks anywhere? (the same answer on every rank)
-        self.crosses = any(_overlap(tiles[p], inside[q])[1] > _overlap(tiles[p], inside[q])[0]
+        self.crosses = any(_count(_overlap(tiles[p], inside[q]))
                            for p in range(n) for q in range(n) if p != q)
 
 
