@@ -8,3 +8,4 @@ from . import batch_norm, groups  # noqa: F401  (registers the autohybrid:: cust
 from . import tensor_parallel, vocab_parallel  # noqa: F401  (tensor/sequence/vocab-parallel ops)
 from . import dropout  # noqa: F401  (eager-exact dropout on tensor-parallel shards)
 from . import fused  # noqa: F401  (autohybrid::fused_region: generated kernels)
+from . import spatial  # noqa: F401  (halo exchange and tiles: spatial parallelism)
