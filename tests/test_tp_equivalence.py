@@ -40,13 +40,14 @@ def _pinned(tp: int, sp: bool = False) -> ah.Constraints:
 
 # ============================================================================ the zoo
 def _zoo_rank(rank: int, world: int, tp: int, sp: bool, turn: int) -> list[str]:
-    """mlp, gpt, llama (4 heads, 2 KV heads), 3 steps each: AdamW, or SGD with gradient
+    """mlp, gpt, llama (4 heads, 2 KV heads), resnet (convolutions and BatchNorm stay
+    whole, its classifier is split), 3 steps each: AdamW, or SGD with gradient
     clipping, alternating along the models and from one layout (`turn`) to the next,
     so each model meets both; then the gathered forward output. At tp 4 llama-tiny only
     (its 2 KV heads each on 2 ranks): mlp and gpt at tp 4 + sp train in
     tests/test_matrix.py's sample."""
     fails = Failures()
-    names = ("mlp-tiny", "gpt-tiny", "llama-tiny")
+    names = ("mlp-tiny", "gpt-tiny", "llama-tiny", "resnet-tiny")
     for i, name in enumerate(names):
         if tp == 4 and name != "llama-tiny":
             continue
