@@ -221,6 +221,103 @@ def test_spatial_and_dp_x_spatial_match_eager(world, cases, turn):
     _assert_no_failures(_launch(_spatial_rank, world, cases, turn))
 
 
+# ============================================================================ models we did not write
+def _hf_resnet() -> nn.Module:
+    """Hugging Face ResNet (tiny config, basic blocks): embedder conv 7×7 stride 2 + max
+    pool, two stages, a pooler and a classifier; returns a ModelOutput with `.logits`."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+    config = ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 12],
+                          depths=[1, 1], layer_type="basic", num_labels=CLASSES)
+    return ResNetForImageClassification(config).double()
+
+
+def _hf_convnext() -> nn.Module:
+    """Hugging Face ConvNeXt (tiny config): a 2×2 patchify conv, depthwise 7×7 convs,
+    LayerNorm over channels after a permute to channels-last (not tileable: gathered)."""
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+    config = ConvNextConfig(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2,
+                            patch_size=2, num_labels=CLASSES, drop_path_rate=0.0)
+    return ConvNextForImageClassification(config).double()
+
+
+class NativeCnn(nn.Module):
+    """torch.nn modules only: a depthwise conv (groups=8), GELU/SiLU, an average pool, an
+    Upsample (not tileable: gathered, then tiled again), an adaptive max pool."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.GELU(),
+            nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.AvgPool2d(2), nn.SiLU(),
+            nn.Conv2d(8, 8, 3, padding=1), nn.Upsample(scale_factor=2),
+            nn.Conv2d(8, 6, 3, padding=1), nn.AdaptiveMaxPool2d(1), nn.Flatten(),
+            nn.Linear(6, CLASSES))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class Audio1d(nn.Module):
+    """A 1-D CNN over (N, C, L) signals: conv 5, BatchNorm1d, strided conv, max pool."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv1d(2, 8, 5, padding=2)
+        self.bn = nn.BatchNorm1d(8)
+        self.c2 = nn.Conv1d(8, 8, 3, stride=2, padding=1)
+        self.pool = nn.MaxPool1d(3, 2, 1)
+        self.fc = nn.Linear(8, CLASSES)
+
+    def forward(self, x):
+        x = self.pool(F.relu(self.c2(F.relu(self.bn(self.c1(x))))))
+        return self.fc(x.mean(-1))
+
+
+def _logits_loss(out, y):
+    return F.cross_entropy(out.logits, y)
+
+
+def _foreign_rank(rank: int, world: int) -> list[str]:
+    """Each model, SGD then AdamW, 2 tiles along dim 2, against eager; every model's
+    training graph must really tile (a split and halo fetches), no parameter is split."""
+    fails = Failures()
+    models = [("hf-resnet", _hf_resnet, (4, 3, 32, 32), True),
+              ("hf-convnext", _hf_convnext, (4, 3, 32, 32), True),
+              ("native-cnn", lambda: NativeCnn().double(), (4, 3, 18, 18), False),
+              ("audio-1d", lambda: Audio1d().double(), (4, 2, 37), False)]
+    for name, build, shape, hf in models:
+        for optimizer in ("sgd", "adamw"):
+            torch.manual_seed(0)
+            model = build()
+            loss = dict(loss_fn=_logits_loss,
+                        eager_loss=lambda m, i, t: _logits_loss(m(*i), t)) if hf else \
+                dict(loss_fn=F.cross_entropy)
+            case = f"{name}/{optimizer}/spatial2"
+            compiled, _ = train_and_compare(fails, case, model, _batches(shape), world,
+                                            optimizer=OPTIMIZERS[optimizer],
+                                            constraints=_pinned(1, (2,)), **loss)
+            ops = collections.Counter(op_name(n) for n in compiled.graphs["train"].graph.nodes)
+            count = {k: ops[f"autohybrid.{k}.default"] for k in
+                     ("spatial_split", "halo_fetch", "spatial_gather")}
+            fails.check(f"{case}: the training graph does not tile: {count}",
+                        count["spatial_split"] > 0 and count["halo_fetch"] > 0
+                        and count["spatial_gather"] > 0)
+            fails.check(f"{case}: parameters split: "
+                        f"{sorted(compiled.programs['train'].param_shards)}",
+                        not compiled.programs["train"].param_shards)
+    return fails
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_models_we_did_not_write_match_eager_under_spatial():
+    """Hugging Face ResNet and ConvNeXt from tiny configs, a torch.nn-only CNN (depthwise
+    conv, Upsample) and a 1-D CNN, 2 tiles, SGD and AdamW: losses, gathered gradients and
+    parameters + buffers equal eager's after every step."""
+    pytest.importorskip("transformers")
+    _assert_no_failures(_launch(_foreign_rank, 2))
+
+
 # ============================================================================ the plan
 @pytest.mark.timeout(120)
 def test_spatial_constraint_round_trips_and_plan_describes_it():
