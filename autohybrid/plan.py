@@ -45,20 +45,31 @@ REDUCE_DTYPES = ("float32", "bfloat16", "float16", "float64")
 AXES = ("pp", "dp", "tp")
 
 
+#: At most this many activation dims are tiled by spatial parallelism (H, or H × W).
+MAX_SPATIAL_DIMS = 2
+
+
 @dataclass(frozen=True)
 class Mesh:
-    """Degrees of the mesh axes ("pp", "dp", "tp"); sp runs on the tp axis."""
+    """Degrees of the mesh axes ("pp", "dp", "tp"); sp runs on the tp axis.
+
+    `spatial` (non-empty) makes the tp axis tile activations instead of splitting
+    weights: (n,) tiles dim 2 (H of N,C,H,W; D of N,C,D,H,W) into n tiles, (a, b) tiles
+    dims 2 and 3 into a × b (tp rank = i·b + j holds tile (i, j)); its product is tp
+    (passes/spatial_parallel.py)."""
 
     pp: int = 1
     dp: int = 1
     tp: int = 1
     sp: bool = False
+    spatial: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for axis in ("pp", "dp", "tp"):
             value = getattr(self, axis)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanError(f"mesh.{axis} must be a positive integer, got {value!r}")
+        check_spatial("mesh.spatial", self.spatial, self.tp, self.sp)
 
     @property
     def world_size(self) -> int:
@@ -69,8 +80,61 @@ class Mesh:
         return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
 
     def describe(self) -> str:
+        if self.spatial:
+            tiles = "×".join(map(str, self.spatial))
+            return f"pp{self.pp}×dp{self.dp}×spatial{tiles}"
         sp = "+sp" if self.sp else ""
         return f"pp{self.pp}×dp{self.dp}×tp{self.tp}{sp}"
+
+
+def spatial_tile_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axis of each tiled dim: "tp" for one; "tile_h" and "tile_w" (the rows and
+    the columns of the a × b tiles of the tp axis) for two."""
+    return ("tp",) if len(mesh.spatial) == 1 else ("tile_h", "tile_w")
+
+
+def spatial_stats_axis(mesh: Mesh) -> str:
+    """The axis BatchNorm on tiles reduces its statistics over: the tiles ("tp"), or the
+    tiles of every dp rank ("dp_tp") — the whole batch, the whole image."""
+    return "tp" if mesh.dp == 1 else "dp_tp"
+
+
+def spatial_groups(mesh: Mesh) -> dict[str, list[list[int]]]:
+    """The extra axes spatial parallelism uses (`spatial_tile_axes` beyond "tp", and
+    `spatial_stats_axis`): per axis, its groups as lists of mesh ranks, each group in
+    the axis's rank order (tile (i, j) is tp rank i·b + j)."""
+    if not mesh.spatial:
+        return {}
+    out: dict[str, list[list[int]]] = {}
+    base = [(p * mesh.dp + d) * mesh.tp for p in range(mesh.pp) for d in range(mesh.dp)]
+    if len(mesh.spatial) == 2:
+        a, b = mesh.spatial
+        out["tile_h"] = [[r + i * b + j for i in range(a)] for r in base for j in range(b)]
+        out["tile_w"] = [[r + i * b + j for j in range(b)] for r in base for i in range(a)]
+    if mesh.dp > 1:
+        out["dp_tp"] = [[(p * mesh.dp + d) * mesh.tp + t for d in range(mesh.dp)
+                         for t in range(mesh.tp)] for p in range(mesh.pp)]
+    return out
+
+
+def check_spatial(where: str, spatial: Any, tp: int | None, sp: bool | None) -> None:
+    """Refuse a spatial tiling that is not 1 or 2 tile counts ≥ 2 whose product is tp,
+    or one combined with sequence parallelism (both would use the tp axis)."""
+    if spatial is None or spatial == ():
+        return
+    if (not isinstance(spatial, tuple) or not 1 <= len(spatial) <= MAX_SPATIAL_DIMS
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 2
+                       for n in spatial)):
+        raise PlanError(f"{where} must be a tuple of 1 or {MAX_SPATIAL_DIMS} tile counts, "
+                        f"each an integer >= 2 (tiles of H, or of H and W), got {spatial!r}")
+    if tp is not None and math.prod(spatial) != tp:
+        raise PlanError(f"{where}={spatial!r} tiles activations over {math.prod(spatial)} "
+                        f"ranks of the tp axis, but tp is {tp}: give tp = "
+                        f"{' × '.join(map(str, spatial))} (or leave tp unpinned)")
+    if sp:
+        raise PlanError(f"{where}={spatial!r} uses the tp axis for tiles of the image; "
+                        "sequence parallelism (sp=True) uses it for slices of a sequence: "
+                        "choose one")
 
 
 @dataclass(frozen=True)
@@ -283,8 +347,13 @@ class Constraints:
     collective_algorithm: str | None = None
     collective_matmul: bool | None = None
     grad_reduce_dtype: str | None = None
+    #: tile counts of spatial parallelism on the tp axis (Mesh.spatial); () pins none
+    spatial: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.spatial, list):
+            object.__setattr__(self, "spatial", tuple(self.spatial))
+        check_spatial("Constraints.spatial", self.spatial, self.tp, self.sp)
         for name in ("dp", "tp", "pp", "microbatch_size", "num_microbatches", "virtual_stages"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
@@ -389,6 +458,7 @@ def _validate(plan: Plan) -> None:
     _check_collective_matmul(plan)
     _check_sizes(plan)
     _check_shardings(plan)
+    _check_spatial_plan(plan)
     for name in ("global_batch", "microbatch_size", "num_microbatches", "virtual_stages"):
         value = getattr(plan, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -457,6 +527,25 @@ def _check_shardings(plan: Plan) -> None:
         seen.add(s.node)
 
 
+def _check_spatial_plan(plan: Plan) -> None:
+    """Spatial parallelism runs with dp and ZeRO; the combinations its equivalence tests do
+    not prove (tests/test_spatial_parallel.py) are refused, each with its reason."""
+    if not plan.mesh.spatial:
+        return
+    if plan.shardings:
+        raise PlanError(f"plan.shardings lists {len(plan.shardings)} tp placements but the "
+                        f"mesh {plan.mesh.describe()} uses the tp axis for spatial tiles, not "
+                        "for split weights: the file was edited; make the plan again")
+    if plan.mesh.pp > 1:
+        raise PlanError(f"the mesh {plan.mesh.describe()} combines spatial tiles with a "
+                        "pipeline; stages would send tiles, which autohybrid does not do: "
+                        "pin pp=1 with spatial")
+    if plan.recompute != "none":
+        raise PlanError(f"recompute={plan.recompute!r} with spatial tiles would rerun the "
+                        "halo exchanges inside checkpointed blocks, which no test proves "
+                        "yet: use recompute='none' with spatial")
+
+
 def _check_collective_matmul(plan: Plan) -> None:
     chunked = plan.collective_matmul_layers
     if plan.collective_matmul and not (plan.mesh.sp and plan.mesh.tp > 1):
@@ -476,7 +565,7 @@ def _check_collective_matmul(plan: Plan) -> None:
 # ---------------------------------------------------------------------- JSON helpers
 #: fields added since FORMAT_VERSION 1 was first written: a plan file without them reads
 #: as their default
-_ADDED_FIELDS = {"Plan": ("params_hash",)}
+_ADDED_FIELDS = {"Plan": ("params_hash",), "Mesh": ("spatial",)}
 
 
 def _to_jsonable(obj: Any) -> Any:

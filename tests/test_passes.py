@@ -482,25 +482,27 @@ def test_debug_dumps_plan_and_one_graph_per_pass(monkeypatch, tmp_path) -> None:
     assert Plan.from_json(dump / "plan.json") == plan
     names = sorted(p.name for p in dump.glob("*.py"))
     assert names == ["00_train_capture.py", "01_train_global_loss.py",
-                     "02_train_sync_batch_norm.py", "03_train_tensor_parallel.py",
-                     "04_train_sequence_parallel.py", "05_train_zero.py",
-                     "06_train_collective_matmul.py", "07_train_pipeline_split.py",
-                     "08_train_recompute.py", "09_train_overlap.py", "10_train_fusion.py"]
-    assert "sync_batch_norm" in (dump / "02_train_sync_batch_norm.py").read_text()
-    assert "sync_batch_norm" not in (dump / "01_train_global_loss.py").read_text()
-    last = (dump / "04_train_sequence_parallel.py").read_text()  # tp=1: nothing to split
-    assert last == (dump / "02_train_sync_batch_norm.py").read_text()
-    assert gm.print_readable(print_output=False) == (dump / "10_train_fusion.py").read_text()
+                     "02_train_spatial_parallel.py", "03_train_sync_batch_norm.py",
+                     "04_train_tensor_parallel.py", "05_train_sequence_parallel.py",
+                     "06_train_zero.py", "07_train_collective_matmul.py",
+                     "08_train_pipeline_split.py", "09_train_recompute.py",
+                     "10_train_overlap.py", "11_train_fusion.py"]
+    assert "sync_batch_norm" in (dump / "03_train_sync_batch_norm.py").read_text()
+    assert "sync_batch_norm" not in (dump / "02_train_spatial_parallel.py").read_text()
+    last = (dump / "05_train_sequence_parallel.py").read_text()  # tp=1: nothing to split
+    assert last == (dump / "03_train_sync_batch_norm.py").read_text()
+    assert gm.print_readable(print_output=False) == (dump / "11_train_fusion.py").read_text()
 
     monkeypatch.setenv("AUTOHYBRID_DISABLE_PASSES", "sync_batch_norm")
     forward = capture(models.preset("mlp-tiny"), (torch.randn(4, 16),), with_loss=False)
     ctx = PassContext(plan=plan, rank=0, coords=(0, 0, 0), graph_kind="forward")
     run_passes(forward.gm, ctx, passes_for("forward"))
     assert sorted(p.name for p in (tmp_path / "rank0").glob("*.py")) == [
-        "00_forward_capture.py", "02_forward_tensor_parallel.py",
-        "03_forward_sequence_parallel.py", "04_forward_zero.py",
-        "05_forward_collective_matmul.py", "06_forward_pipeline_split.py",
-        "07_forward_recompute.py", "08_forward_overlap.py", "09_forward_fusion.py"]  # 01: off
+        "00_forward_capture.py", "01_forward_spatial_parallel.py",
+        "03_forward_tensor_parallel.py", "04_forward_sequence_parallel.py",
+        "05_forward_zero.py", "06_forward_collective_matmul.py",
+        "07_forward_pipeline_split.py", "08_forward_recompute.py", "09_forward_overlap.py",
+        "10_forward_fusion.py"]  # 02: off
 
 
 @pytest.mark.timeout(60)

@@ -119,7 +119,7 @@ def _position(axis: str) -> tuple[dist.ProcessGroup | None, int, int]:
     group = groups.get(axis)
     if group is None or dist.get_world_size(group) == 1:
         return None, 0, 1
-    return group, dist.get_rank(group), dist.get_world_size(group)
+    return group, group.rank(), group.size()   # (also a fake group, with no default one)
 
 
 def _routes(x: torch.Tensor, dim: int, size: int, out_size: int, kernel: int, stride: int,

@@ -18,6 +18,7 @@ from .sync_batch_norm import sync_batch_norm
 from .pipeline_split import pipeline_split
 from .recompute import recompute
 from .sequence_parallel import sequence_parallel
+from .spatial_parallel import spatial_parallel
 from .tensor_parallel import tensor_parallel
 from .zero import zero
 
@@ -38,9 +39,13 @@ PASSES: tuple[PassRow, ...] = (
     PassRow("global_loss", global_loss,
             "only touches the loss; every later pass must see the rewritten outputs",
             train_only=True),
+    PassRow("spatial_parallel", spatial_parallel,
+            "tiles the activations of convolutions, pooling and BatchNorm over the tp "
+            "axis (Plan mesh.spatial); its BatchNorms reduce over tiles and dp, so it runs "
+            "before sync_batch_norm, which syncs the others over dp", after=("global_loss",)),
     PassRow("sync_batch_norm", sync_batch_norm,
-            "depends only on the data-parallel axis, on the graph as captured",
-            after=("global_loss",)),
+            "depends only on the data-parallel axis, on the graph as captured (but for "
+            "the BatchNorms on tiles)", after=("global_loss", "spatial_parallel")),
     PassRow("tensor_parallel", tensor_parallel,
             "splits the graph over tp; it sees the loss already a sum, so the "
             "vocabulary-parallel loss keeps it one", after=("global_loss",)),

@@ -40,25 +40,33 @@ def sync_batch_norm(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         return gm
     created = []
     for node in training_batch_norms(gm):
-        x, weight, bias, running_mean, running_var, _training, momentum, eps = node.args[:8]
-        graph = gm.graph
-        with graph.inserting_before(node):  # new nodes go, in order, where the old one was
-            sync = graph.call_function(torch.ops.autohybrid.sync_batch_norm.default,
-                                       (x, weight, bias, float(eps), "dp"))
-            out = graph.call_function(operator.getitem, (sync, 0))
-            new_nodes = [sync, out]
-            if running_mean is not None and running_var is not None:
-                mean = graph.call_function(operator.getitem, (sync, 1))
-                var = graph.call_function(operator.getitem, (sync, 3))
-                update = graph.call_function(
-                    torch.ops.autohybrid.update_running_stats.default,
-                    (running_mean, running_var, mean, var, float(momentum)))
-                new_nodes += [mean, var, update]
-        for new in new_nodes:
-            new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-            new.meta[AH_PASS] = "sync_batch_norm"
-        node.replace_all_uses_with(out)
-        graph.erase_node(node)
-        created += new_nodes
+        created += replace_batch_norm(gm, node, "dp", "sync_batch_norm")
     propagate_fake(gm, created)
     return gm
+
+
+def replace_batch_norm(gm: fx.GraphModule, node: fx.Node, axis: str,
+                       pass_name: str) -> list[fx.Node]:
+    """Replace the training-mode `aten.batch_norm` `node` by `autohybrid::sync_batch_norm`
+    over mesh axis `axis` (and the running-stats update); the new nodes, in order, their
+    fake values still to fill (`propagate_fake`). Also used by spatial_parallel."""
+    x, weight, bias, running_mean, running_var, _training, momentum, eps = node.args[:8]
+    graph = gm.graph
+    with graph.inserting_before(node):  # new nodes go, in order, where the old one was
+        sync = graph.call_function(torch.ops.autohybrid.sync_batch_norm.default,
+                                   (x, weight, bias, float(eps), axis))
+        out = graph.call_function(operator.getitem, (sync, 0))
+        new_nodes = [sync, out]
+        if running_mean is not None and running_var is not None:
+            mean = graph.call_function(operator.getitem, (sync, 1))
+            var = graph.call_function(operator.getitem, (sync, 3))
+            update = graph.call_function(
+                torch.ops.autohybrid.update_running_stats.default,
+                (running_mean, running_var, mean, var, float(momentum)))
+            new_nodes += [mean, var, update]
+    for new in new_nodes:
+        new.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        new.meta[AH_PASS] = pass_name
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    return new_nodes

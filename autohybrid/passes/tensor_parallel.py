@@ -64,7 +64,7 @@ def _round_up(n: int, multiple: int) -> int:
 # ------------------------------------------------------------------ the pass
 def tensor_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     tp = ctx.plan.mesh.tp
-    if tp == 1:
+    if tp == 1 or ctx.plan.mesh.spatial:   # spatial: the tp axis holds tiles (spatial_parallel)
         return gm
     layout = _plan_layout(gm, ctx)
     rewriter = _Rewriter(gm, layout, tp, ctx.coords[2])

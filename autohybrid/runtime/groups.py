@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import ops
 from ..errors import AutohybridError, ClusterError
-from ..plan import AXES, Plan
+from ..plan import AXES, Plan, spatial_groups
 from .timeouts import compile_timeout, new_group
 
 
@@ -121,7 +121,24 @@ def build_mesh(plan: Plan, device_type: str) -> DeviceMesh | None:
     mesh = DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=AXES)
     for axis, group in zip(AXES, groups):
         ops.groups.bind(axis, group)
+    flat = ranks.flatten().tolist()
+    for axis, rows in spatial_groups(plan.mesh).items():
+        ops.groups.bind(axis, _row_group([[flat[r] for r in row] for row in rows], axis))
     return mesh
+
+
+def _row_group(rows: list[list[int]], axis: str) -> dist.ProcessGroup:
+    """This rank's group among `rows` (every one created on every rank, in order)."""
+    me, mine = dist.get_rank(), None
+    for row in rows:
+        group = new_group(row)
+        if me in row:
+            mine = group
+    if mine is None:
+        raise ClusterError(f"rank {me} is in no group of mesh axis {axis!r} ({rows}): "
+                           "the plan's placement does not hold this rank; compile with a "
+                           "plan made for this world size")
+    return mine
 
 
 def _axis_group(ranks: torch.Tensor, dim: int) -> dist.ProcessGroup:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -234,6 +235,9 @@ def _layouts(profile: ModelProfile, cluster, request: PlanRequest,
             skipped.append(f"tp={tp} does not divide the world size {world}")
             continue
         for pp in ([pinned.pp] if pinned.pp else divisors(world // tp)):
+            if pinned.spatial and pp > 1:
+                skipped.append(f"pp={pp}: spatial tiles do not cross pipeline stages")
+                continue
             if (world // tp) % pp or pp > blocks:
                 skipped.append(f"pp={pp} does not fit {world // tp} ranks / {blocks} layers")
                 continue
@@ -251,7 +255,7 @@ def _layouts(profile: ModelProfile, cluster, request: PlanRequest,
                     skipped.append(f"collective_matmul=True needs tp > 1 with sp (tp={tp}, "
                                    f"sp={sp})")
                     continue
-                mesh = Mesh(pp=pp, dp=dp, tp=tp, sp=sp)
+                mesh = Mesh(pp=pp, dp=dp, tp=tp, sp=sp, spatial=pinned.spatial or ())
                 for micro in _microbatch_sizes(local, pinned, skipped):
                     count = local // micro
                     for schedule, virtual in _schedules(pp, count, blocks, pinned, skipped):
@@ -261,6 +265,8 @@ def _layouts(profile: ModelProfile, cluster, request: PlanRequest,
 
 def _tp_degrees(profile: ModelProfile, cluster, pinned: Constraints,
                 skipped: list[str]) -> list[int]:
+    if pinned.spatial:   # the tp axis holds the tiles: no weight is split over it
+        return [math.prod(pinned.spatial)]
     # unpinned, tp groups stay inside a node (pin tp to see other degrees priced)
     candidates = [pinned.tp] if pinned.tp else [
         tp for tp in divisors(cluster.world_size) if cluster.devices_per_node % tp == 0]
@@ -280,7 +286,7 @@ def _sp_choices(tp: int, pinned: Constraints) -> list[bool]:
     to see the alternative priced)."""
     if pinned.sp is not None:
         return [pinned.sp]
-    return [True] if tp > 1 else [False]
+    return [True] if tp > 1 and not pinned.spatial else [False]
 
 
 def _microbatch_sizes(local: int, pinned: Constraints, skipped: list[str]) -> list[int]:
@@ -362,7 +368,8 @@ def _variants(base: Layout, pinned: Constraints, cluster) -> Iterator[Iterator[L
     update can be faster, and a higher stage can fit without recomputation. ZeRO 1–3
     reduce-scatter their gradients ("flat"); a pinned non-flat algorithm keeps ZeRO 0.
     """
-    recomputes = [pinned.recompute] if pinned.recompute else ["none", "selective", "full"]
+    recomputes = [pinned.recompute] if pinned.recompute else (
+        ["none"] if base.mesh.spatial else ["none", "selective", "full"])
     zeros = [pinned.zero] if pinned.zero is not None else [0, 1, 2, 3]
     if base.mesh.dp == 1 and pinned.zero is None:
         zeros = [0]  # nothing to shard the state over
@@ -474,7 +481,8 @@ def _make_plan(best: Candidate, profile: ModelProfile, cluster, request: PlanReq
                    bucket_mb=best.priced.bucket_mb, predicted=predicted,
                    executable=False,   # _choose marks it once the passes ran
                    not_executable_because=best.unsupported,
-                   shardings=_shardings(profile) if best.layout.mesh.tp > 1 else ())
+                   shardings=(_shardings(profile) if best.layout.mesh.tp > 1
+                              and not best.layout.mesh.spatial else ()))
 
 
 def _shardings(profile: ModelProfile) -> tuple[NodeSharding, ...]:
