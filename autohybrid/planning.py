@@ -26,6 +26,7 @@ from .plan import Constraints, Plan, schedule_problem
 from .search.planner import PlanRequest, search
 from .search.space import profile as model_profile
 from .search.tp_choice import Rates
+from .spatial_costs import SpatialCosts
 from .trial import PassTrial
 
 
@@ -113,7 +114,8 @@ def make_plan(named: CapturedGraph, train: CapturedGraph | None, model: nn.Modul
         calibration_hash=profile_.hash() if profile_ is not None else None)
     if trial is None:
         trial = PassTrial(costed, rank=0, example_inputs=tuple(example_inputs))
-    plan = search(profile, cluster, request, unsupported, executable_only, trial)
+    plan = search(profile, cluster, request, unsupported, executable_only, trial,
+                  spatial=SpatialCosts(costed, tuple(example_inputs)))
     return dataclasses.replace(plan, params_hash=params_hash(model))
 
 

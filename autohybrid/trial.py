@@ -25,8 +25,9 @@ from .rewrite import rewrite
 #: listed here is keyed by every field (_PLAN_FIELDS).
 PASS_FIELDS: dict[str, tuple[str, ...]] = {
     "global_loss": ("shards",),
+    "spatial_parallel": ("spatial", "tp", "dp"),
     "sync_batch_norm": ("dp",),
-    "tensor_parallel": ("tp", "sp", "shardings"),
+    "tensor_parallel": ("tp", "sp", "shardings", "spatial"),
     "sequence_parallel": ("tp", "sp"),
     "zero": ("zero", "dp", "gather_min_mb", "grad_reduce_dtype", "recompute",
              "stage_boundaries"),
@@ -39,7 +40,7 @@ PASS_FIELDS: dict[str, tuple[str, ...]] = {
 #: follows would otherwise run them twice (a third of a small model's rewrite time).
 #: A trial with keep=True runs every pass: its program is used (the dry run).
 NEVER_REFUSE: tuple[str, ...] = ("fusion",)
-_PLAN_FIELDS = ("shards", "pp", "dp", "tp", "sp", "num_stages", "stage_boundaries",
+_PLAN_FIELDS = ("shards", "pp", "dp", "tp", "sp", "spatial", "num_stages", "stage_boundaries",
                 "recompute", "zero", "gather_min_mb", "collective_matmul",
                 "collective_matmul_layers", "shardings", "grad_reduce_dtype", "schedule",
                 "num_microbatches")
@@ -48,7 +49,7 @@ _PLAN_FIELDS = ("shards", "pp", "dp", "tp", "sp", "num_stages", "stage_boundarie
 def _field(plan: Plan, name: str) -> Any:
     if name == "shards":
         return plan.mesh.dp * plan.num_microbatches > 1
-    if name in ("pp", "dp", "tp", "sp"):
+    if name in ("pp", "dp", "tp", "sp", "spatial"):
         return getattr(plan.mesh, name)
     return getattr(plan, name)
 

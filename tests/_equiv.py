@@ -111,17 +111,19 @@ def train_and_compare(fails: Failures, name: str, model: nn.Module, batches: Seq
                       constraints: ah.Constraints | None = None,
                       max_grad_norm: float | None = None,
                       scheduler: Callable | None = None,
-                      example: Batch | None = None, example_targets: bool = True):
+                      example: Batch | None = None, example_targets: bool = True,
+                      cluster: ah.Cluster | None = None):
     """Train `model` compiled for `world` ranks and an eager copy on `batches`; compare
     the loss, the gathered gradients and the parameters + buffers after every step.
 
     `example` (default: the first batch) is what `ah.compile` plans and captures with;
     `example_targets=False` leaves the targets to be captured at the first step.
+    `cluster` (default: `ah.Cluster.local(world)`) is what it plans for.
     Returns `(compiled, eager_model)` for further checks.
     """
     ref = copy.deepcopy(model)
     inputs0, targets0 = example or batches[0]
-    compiled = ah.compile(model, ah.Cluster.local(world), inputs0, loss_fn=loss_fn,
+    compiled = ah.compile(model, cluster or ah.Cluster.local(world), inputs0, loss_fn=loss_fn,
                           example_targets=targets0 if example_targets else None,
                           optimizer=optimizer, constraints=constraints)
     ref_opt = optimizer(list(ref.parameters())) if optimizer else None

@@ -32,3 +32,26 @@ def test_demo_trains_and_matches_eager():
     largest = float(re.search(r"largest parameter difference from eager after 3 steps: "
                               r"([\d.e+-]+)", out).group(1))
     assert largest < 1e-3, out
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(240)
+def test_cnn_spatial_example_tiles_under_its_memory_limit_and_matches_eager():
+    """examples/cnn_spatial.py: below the memory every untiled plan needs, the planner
+    tiles the volumes, and the compiled losses and parameters are eager's."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "examples/cnn_spatial.py", "--steps", "2", "--size", "24",
+         "--channels", "4,8"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=guard(230))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert re.search(r"no plan without tiles fits: the ranks get that limit", out), out
+    mesh = re.search(r"^mesh (\S+); largest parameter difference from eager after 2 steps: "
+                     r"([\d.e+-]+)", out, re.M)
+    assert mesh and "spatial" in mesh.group(1), out
+    assert float(mesh.group(2)) < 1e-12, out
+    rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.e+-]+)", out, re.M)
+    assert len(rows) == 2, out
+    for _step, compiled, eager, _diff in rows:
+        assert abs(float(compiled) - float(eager)) <= 1e-9 * abs(float(eager)), out

@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("ops", ("ops",)),
     ("program", ("program",)),
     ("passes", ("passes",)),
-    ("rewrite", ("rewrite", "trial")),
+    ("rewrite", ("rewrite", "trial", "spatial_costs")),
     ("planning", ("planning", "checks")),
     ("report", ("report",)),
     ("runtime", ("runtime",)),

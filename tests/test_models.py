@@ -93,7 +93,9 @@ def test_preset_names() -> None:
 def test_every_preset_builds_on_meta_quickly(name: str) -> None:
     t0 = time.perf_counter()
     model = zoo.preset(name, device="meta")
-    assert time.perf_counter() - t0 < 10.0
+    # A hang guard, not a speed claim: building on real memory would take minutes (or
+    # run out of it); meta construction takes about a second, 11 s seen on a loaded machine.
+    assert time.perf_counter() - t0 < 60.0
     assert all(p.is_meta for p in model.parameters())
     assert all(b.is_meta for b in model.buffers())
     for key, value in zoo.PRESETS[name].kwargs.items():

@@ -17,6 +17,7 @@ validation and a spatial plan's JSON round trip and description.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import math
 
@@ -219,6 +220,78 @@ def test_spatial_and_dp_x_spatial_match_eager(world, cases, turn):
     sides no tile count divides; the 3-D CNN's volumes 13 × 11 × 9; resnet-tiny's 16 × 16
     images (32 × 32 at 4 tiles along H; 16 × 16 there too, its last stage replicated)."""
     _assert_no_failures(_launch(_spatial_rank, world, cases, turn))
+
+
+#: a 3-D CNN's batch whose activations outgrow MEMORY_LIMIT on every non-spatial plan of
+#: 4 ranks (the batch of 2 splits over dp 2 at most)
+VOLUMES = (2, 2, 24, 16, 16)
+MEMORY_LIMIT = 600_000
+
+
+def _small_memory_cluster(world: int) -> ah.Cluster:
+    cluster = ah.Cluster.local(world)
+    return dataclasses.replace(cluster, device=dataclasses.replace(
+        cluster.device, memory_bytes=MEMORY_LIMIT))
+
+
+def _volume_batches(steps: int = 2):
+    return _batches(VOLUMES, steps)
+
+
+def _zero_rank(rank: int, world: int) -> list[str]:
+    """dp2 × spatial2 with each ZeRO stage: the optimizer state (1), the gradients (2) and
+    the parameters (3) sharded over dp, while the tiles' gradients are summed over tp.
+    Then the planner's own choice for a 3-D CNN whose activations do not fit one rank's
+    memory otherwise (test_the_planner_tiles_a_3d_cnn_that_does_not_fit_otherwise)."""
+    fails = Failures()
+    for optimizer in ("sgd", "adamw"):
+        torch.manual_seed(0)
+        case = f"cnn3d{VOLUMES[2:]}/{optimizer}/planner's choice under {MEMORY_LIMIT} bytes"
+        compiled, _ = train_and_compare(
+            fails, case, Cnn3d().double(), _volume_batches(), world, loss_fn=F.cross_entropy,
+            optimizer=OPTIMIZERS[optimizer], cluster=_small_memory_cluster(world))
+        fails.check(f"{case}: the plan {compiled.plan.mesh.describe()} does not tile",
+                    bool(compiled.plan.mesh.spatial))
+    for zero in (1, 2, 3):
+        for optimizer in ("sgd", "adamw"):
+            torch.manual_seed(0)
+            case = f"cnn3d/{optimizer}/dp2×spatial2/zero{zero}"
+            compiled, _ = train_and_compare(
+                fails, case, Cnn3d().double(), _batches((4, 2, 13, 11, 9)), world,
+                loss_fn=F.cross_entropy, optimizer=OPTIMIZERS[optimizer],
+                constraints=ah.Constraints(tp=2, dp=2, pp=1, spatial=(2,), zero=zero))
+            fails.check(f"{case}: plan has zero {compiled.plan.zero}",
+                        compiled.plan.zero == zero and compiled.plan.mesh.spatial == (2,))
+    return fails
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_data_x_spatial_with_zero_matches_eager():
+    """ZeRO 1, 2 and 3 under dp2 × spatial2 (the planner may choose them): SGD and AdamW
+    against eager."""
+    _assert_no_failures(_launch(_zero_rank, 4))
+
+
+def test_the_planner_tiles_a_3d_cnn_that_does_not_fit_otherwise():
+    """Unpinned, on 4 ranks whose memory holds no plan without tiles (the batch of 2
+    volumes splits over dp 2 at most; tp splits only the classifier), the planner picks
+    a spatial plan, and every other candidate that fits tiles too; with the machine's
+    own memory it does not tile (on these CPUs the halo exchanges cost more than the
+    compute they split). The plan trains like eager: _zero_rank."""
+    torch.manual_seed(0)
+    model = Cnn3d().double()
+    (x,), y = _volume_batches(steps=1)[0]
+    plan = ah.plan(model, _small_memory_cluster(4), (x,), loss_fn=F.cross_entropy,
+                   example_targets=y, executable_only=True)
+    assert plan.mesh.spatial and plan.executable, plan.summary()
+    assert plan.predicted.memory_per_rank_bytes <= MEMORY_LIMIT
+    fitting = [a.summary for a in plan.alternatives if a.fits]
+    assert all("spatial" in s for s in fitting), fitting
+    roomy = ah.plan(model, ah.Cluster.local(4), (x,), loss_fn=F.cross_entropy,
+                    example_targets=y, executable_only=True)
+    assert not roomy.mesh.spatial, roomy.summary()
+    assert roomy.predicted.memory_per_rank_bytes > MEMORY_LIMIT
 
 
 # ============================================================================ models we did not write

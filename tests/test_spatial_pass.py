@@ -100,10 +100,9 @@ def test_dropout_runs_on_the_whole_activation_and_small_outputs_stay_replicated(
 def test_a_model_with_nothing_to_tile_is_refused_before_it_runs():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
     x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
-    plan = ah.plan(model, ah.Cluster.local(2), (x,), loss_fn=F.cross_entropy,
-                   example_targets=(y,), constraints=ah.Constraints(tp=2, spatial=(2,)))
-    assert not plan.executable
-    assert "no convolution or pooling" in " ".join(plan.not_executable_because)
+    with pytest.raises(ah.PlanError, match="no convolution or pooling"):
+        ah.plan(model, ah.Cluster.local(2), (x,), loss_fn=F.cross_entropy,
+                example_targets=(y,), constraints=ah.Constraints(tp=2, spatial=(2,)))
 
 
 def test_spatial_groups_and_the_plan_file():
@@ -129,3 +128,53 @@ def _plan(mesh: Mesh, **kw) -> Plan:
                 placement=tuple(RankPlacement(rank=r, node=0, device=r)
                                 for r in range(mesh.world_size)),
                 global_batch=mesh.dp * 2, microbatch_size=2, num_microbatches=1, **kw)
+
+
+class _Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(2, 4, 3, padding=1), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(F.adaptive_avg_pool2d(F.relu(self.conv(x)), 1).flatten(1))
+
+
+def test_a_tilings_costs_are_the_rewritten_graphs_by_hand():
+    """SpatialCosts prices the graph the pass makes for a middle tile. conv 3×3 padding
+    1 on (2, 2, 16, 12) float32 images in 4 tiles along H: tile 2 computes rows 8..11
+    and receives 1 input row from each neighbour, 2 × (12 · 2 channels) × 2 samples × 4
+    bytes = 384 bytes (no backward halo: the image needs no gradient); the weight's (288
+    bytes) and the bias's (16) gradients are summed over the tiles; the adaptive pool
+    gathers the (2, 4, 16, 12) activation, 6144 bytes; the conv's FLOPs are a quarter."""
+    from autohybrid.search import pricing
+    from autohybrid.search.space import profile
+    from autohybrid.spatial_costs import SpatialCosts
+
+    x, y = torch.randn(2, 2, 16, 12), torch.randint(0, 3, (2,))
+    cap = capture(_Tiny(), (x,), F.cross_entropy, y)
+    costs = SpatialCosts(cap, (x,))
+    assert costs.applies and costs.tilings(4) == [(4,), (2, 2)] and costs.tilings(1) == []
+    tiled = costs((4,))
+    found = sorted((c.kind, c.direction, c.axis, c.nbytes(2, None))
+                   for layer in tiled.layers for c in layer.collectives)
+    assert found == [("all_gather", "forward", "tp", 6144.0),
+                     ("all_reduce", "backward", "tp", 16.0),
+                     ("all_reduce", "backward", "tp", 288.0),
+                     ("halo", "forward", "tp", 384.0)], found
+    whole = profile(cap.gm, cap.dim_roles)
+    def conv(p):
+        return sum(layer.values(2, None)["mm_replicated"] + layer.values(2, None)["mm_sharded"]
+                   for layer in p.layers if layer.name == "model.conv")
+    assert conv(tiled) == conv(whole) / 4 == 2 * 2 * 4 * 16 * 12 * 2 * 9 / 4
+    # priced: every parameter whole on each rank, the halo and sums as communication
+    cluster = ah.Cluster.local(4)
+    layout = pricing.Layout(Mesh(tp=4, spatial=(4,)), 2, 1)
+    priced = pricing.price(tiled, cluster, layout, None, "float32", 4, "sgd", 2)
+    params = sum(p.numel() for p in _Tiny().parameters()) * 4
+    assert priced.prediction.memory.params == params
+    assert priced.prediction.comm_s > 0
+    # a graph with no window to tile has no tilings; one too small for the tiles says why
+    dense = capture(nn.Sequential(nn.Linear(8, 3)), (torch.randn(2, 8),), F.cross_entropy, y)
+    assert SpatialCosts(dense).tilings(4) == []
+    small = SpatialCosts(capture(_Tiny(), (torch.randn(2, 2, 3, 3),), F.cross_entropy, y))
+    assert "no convolution or pooling" in small((4,))

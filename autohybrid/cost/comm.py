@@ -96,6 +96,17 @@ def broadcast(cluster: _Cluster, ranks: Sequence[int], nbytes: float) -> float:
     return math.ceil(math.log2(p)) * (alpha + nbytes * beta)
 
 
+def halo_exchange(cluster: _Cluster, ranks: Sequence[int], nbytes: float) -> float:
+    """One rank receiving `nbytes` of halo rows from its neighbours in one
+    `all_to_all_single` over `ranks` (ops/spatial.py): a message per peer, the rows at
+    the link's bandwidth."""
+    p = len(ranks)
+    if p <= 1 or nbytes <= 0:
+        return 0.0
+    alpha, beta = _link(cluster, ranks)
+    return (p - 1) * alpha + nbytes * beta
+
+
 def send_recv(cluster: _Cluster, ranks: Sequence[int], nbytes: float) -> float:
     alpha, beta = _link(cluster, ranks)
     return alpha + nbytes * beta

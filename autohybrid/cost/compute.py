@@ -38,7 +38,10 @@ _SAVES_NOTHING = frozenset({"aten.add.Tensor", "aten.sub.Tensor", "aten.neg.defa
                             "aten.zeros_like.default", "aten.new_zeros.default",
                             "aten.mean.dim", "aten.mean.default", "aten.sum.default",
                             "aten.sum.dim_IntList", "aten.type_as.default",
-                            "aten.scalar_tensor.default", "aten.ne.Scalar", "aten.eq.Scalar"})
+                            "aten.scalar_tensor.default", "aten.ne.Scalar", "aten.eq.Scalar",
+                            # spatial tiles' moves: their backward needs only sizes
+                            "autohybrid.halo_fetch.default", "autohybrid.spatial_split.default",
+                            "autohybrid.spatial_gather.default", "autohybrid.tp_copy.default"})
 _SAVES_OUTPUT = frozenset({"aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int",
                            "aten.tanh.default", "aten.sigmoid.default", "aten.exp.default",
                            "aten.relu.default", "aten.relu_.default", "aten.rsqrt.default"})

@@ -44,6 +44,8 @@ _CONV = {"aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default",
          "aten.convolution.default"}
 _MAX_POOL = {"aten.max_pool1d.default", "aten.max_pool2d.default", "aten.max_pool3d.default"}
 _AVG_POOL = {"aten.avg_pool1d.default", "aten.avg_pool2d.default", "aten.avg_pool3d.default"}
+#: the window ops the pass tiles (with a halo exchange)
+WINDOW_OPS = frozenset(_CONV | _MAX_POOL | _AVG_POOL)
 #: ops (by base name, in-place variants included) computed value by value: a tile of the
 #: inputs gives the tile of the output (dropout is not one: its mask must be eager's)
 _ELEMENTWISE = {"add", "sub", "mul", "div", "neg", "relu", "relu6", "gelu", "silu", "tanh",

@@ -37,6 +37,12 @@ def format_plan(plan: Plan) -> str:
                      f"({plan.virtual_stages} per rank on pp ranks {list(plan.stage_ranks())}); "
                      f"stages start at {', '.join(plan.stage_boundaries)}; predicted bubble "
                      f"{p.bubble_fraction * 100:.1f} % of the step")
+    if plan.mesh.spatial:
+        tiles = " × ".join(map(str, plan.mesh.spatial))
+        lines.append(f"  spatial tiles   {tiles} tiles of every activation along dims "
+                     f"{list(range(2, 2 + len(plan.mesh.spatial)))} on the tp axis; halos "
+                     "exchanged before each convolution and pooling, BatchNorm statistics over "
+                     "the tiles and dp, parameters whole on every rank")
     if not plan.executable:
         lines.append("  NOT EXECUTABLE: " + "; ".join(plan.not_executable_because))
     if plan.alternatives:
@@ -68,7 +74,16 @@ def explain(compiled: Any) -> str:
                      f"{created or 'none'}; autohybrid ops {collectives or 'none'}; "
                      f"loss kind {loss_kind}")
     sharded = getattr(compiled, "sharded", None)
-    if sharded is not None:
+    if plan.mesh.spatial:
+        for kind, gm in compiled.graphs.items():
+            ops = [op_name(n) for n in gm.graph.nodes]
+            count = {k: ops.count(f"autohybrid.{k}.default")
+                     for k in ("halo_fetch", "sync_batch_norm", "spatial_gather")}
+            lines.append(f"spatial parallelism: the {kind!r} graph has {count['halo_fetch']} "
+                         f"halo exchanges, {count['sync_batch_norm']} BatchNorms synced over "
+                         f"the tiles and {count['spatial_gather']} gathers where an op needs "
+                         "the whole activation; no parameter is split")
+    elif sharded is not None:
         mine = sum(p.numel() for p in compiled._trained_params().values())
         whole = sum(p.numel() for p in compiled.model.parameters())
         padded = sorted(n for n, s in sharded.specs.items() if s.padded != s.size)

@@ -32,7 +32,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 from .. import logs
 from ..cost.comm import hierarchy_applies
@@ -52,6 +52,16 @@ VIRTUAL_STAGES = {"gpipe": (1,), "1f1b": (1,), "interleaved": (2, 4), "looped-bf
                   "zero-bubble": (1, 2), "zbv": (2,), "dualpipev": (2,)}
 _GiB = 2**30
 log = logging.getLogger("autohybrid.search")
+
+
+class SpatialProfiles(Protocol):
+    """The profiles of the model under spatial tilings (autohybrid/spatial_costs.py)."""
+
+    applies: bool
+
+    def tilings(self, tp: int) -> list[tuple[int, ...]]: ...
+
+    def __call__(self, tiles: tuple[int, ...]) -> ModelProfile | str: ...
 
 
 @dataclass(frozen=True)
@@ -105,7 +115,8 @@ class Candidate:
 
 def search(profile: ModelProfile, cluster, request: PlanRequest,
            unsupported: Callable[[Plan], list[str]], executable_only: bool,
-           trial: Callable[[Plan], str | None] | None = None) -> Plan:
+           trial: Callable[[Plan], str | None] | None = None,
+           spatial: SpatialProfiles | None = None) -> Plan:
     """The fastest fitting plan the passes accept (executable ones only when asked),
     with alternatives.
 
@@ -115,7 +126,11 @@ def search(profile: ModelProfile, cluster, request: PlanRequest,
     ones it rejected stay in `plan.alternatives` with the pass's reason. When it rejects
     every candidate that fits, NotExecutableError lists the reasons (`executable_only`),
     or the best candidate comes back marked not executable with them. Without a trial
-    the best candidate comes back marked not executable: its passes were not run."""
+    the best candidate comes back marked not executable: its passes were not run.
+
+    `spatial` prices spatial meshes (the tp axis tiling a CNN's activations) from the
+    graph the spatial pass makes (spatial_costs.SpatialCosts); with it, such meshes
+    compete with the others wherever the constraints leave tp and sp open."""
     start = time.perf_counter()
     checker = _Executability(cluster, request, unsupported)
     if executable_only:
@@ -125,15 +140,20 @@ def search(profile: ModelProfile, cluster, request: PlanRequest,
     skipped: list[str] = []
     refused: list[str] = []  # runtime features missing, per layout
     progress = _Progress(start)
-    cache: dict = {}
-    for base in _layouts(profile, cluster, request, skipped):
+    profiles = _Profiles(profile, spatial, request.seq)
+    for base in _layouts(profile, cluster, request, skipped, spatial):
+        costed = profiles.of(base)
+        if isinstance(costed, str):
+            skipped.append(f"spatial {base.mesh.spatial}: {costed}")
+            continue
+        cache = profiles.cache(base)
         for levels in _variants(base, request.constraints, cluster):
             for layout in levels:
-                reasons = checker.reasons(layout, profile)
+                reasons = checker.reasons(layout, costed)
                 if executable_only and reasons:
                     refused.append("; ".join(reasons))
                     continue
-                priced = price(profile, cluster, layout, request.seq, request.dtype,
+                priced = price(costed, cluster, layout, request.seq, request.dtype,
                                request.graph_dtype_bytes, request.optimizer,
                                request.global_batch, cache, stage_starts=starts,
                                grad_reduce_dtype=request.constraints.grad_reduce_dtype)
@@ -153,7 +173,7 @@ def search(profile: ModelProfile, cluster, request: PlanRequest,
     fitting = [c for c in candidates if c.fits]
     if not fitting:
         raise NoPlanFitsError(_no_fit_message(candidates, cluster, skipped))
-    best, plan, candidates = _choose(fitting, candidates, profile, cluster, request,
+    best, plan, candidates = _choose(fitting, candidates, profiles, cluster, request,
                                      checker, trial, executable_only)
     plan = replace(plan, alternatives=_alternatives(best, candidates))
     log.info("priced %d candidates (%d fit) in %.3f s; chose %s", len(candidates),
@@ -161,7 +181,33 @@ def search(profile: ModelProfile, cluster, request: PlanRequest,
     return plan
 
 
-def _choose(fitting: list[Candidate], candidates: list[Candidate], profile: ModelProfile,
+class _Profiles:
+    """The profile a layout is priced with (a spatial mesh's: its tiled graph's), and a
+    pricing cache per profile (layer times and parameter counts differ between them).
+    The model's own profile prices every layout's model FLOPs (the MFU)."""
+
+    def __init__(self, profile: ModelProfile, spatial: SpatialProfiles | None,
+                 seq: int | None):
+        self.profile, self.spatial, self.seq = profile, spatial, seq
+        self.caches: dict[tuple, dict] = {}
+
+    def of(self, layout: Layout) -> ModelProfile | str:
+        tiles = layout.mesh.spatial
+        if not tiles:
+            return self.profile
+        if self.spatial is None:
+            return "no spatial profiles given to the search"
+        return self.spatial(tiles)
+
+    def cache(self, layout: Layout) -> dict:
+        key = layout.mesh.spatial
+        if key not in self.caches:   # (pricing.price reads "model_flops" from its cache)
+            self.caches[key] = {"model_flops": self.profile.step_flops(1, self.seq)} \
+                if key else {}
+        return self.caches[key]
+
+
+def _choose(fitting: list[Candidate], candidates: list[Candidate], profiles: _Profiles,
             cluster, request: PlanRequest, checker: "_Executability",
             trial: Callable[[Plan], str | None] | None, executable_only: bool
             ) -> tuple[Candidate, Plan, list[Candidate]]:
@@ -173,7 +219,8 @@ def _choose(fitting: list[Candidate], candidates: list[Candidate], profile: Mode
     chosen = plan = None
     accepted = False
     for c in sorted(fitting, key=_rank_key):
-        plan = _make_plan(c, profile, cluster, request, checker.placement(c.layout.mesh),
+        plan = _make_plan(c, profiles.of(c.layout), cluster, request,
+                          checker.placement(c.layout.mesh),
                           checker.cluster_hash)
         if trial is None or not c.executable:
             chosen = c  # nothing is tried: marked below
@@ -191,7 +238,7 @@ def _choose(fitting: list[Candidate], candidates: list[Candidate], profile: Mode
         if executable_only:
             raise NotExecutableError(why)
         chosen = min(fitting, key=_rank_key)
-        plan = _make_plan(chosen, profile, cluster, request,
+        plan = _make_plan(chosen, profiles.of(chosen.layout), cluster, request,
                           checker.placement(chosen.layout.mesh), checker.cluster_hash)
     because = chosen.unsupported
     if id(chosen) in rejected:
@@ -225,18 +272,23 @@ def divisors(n: int) -> list[int]:
 
 
 def _layouts(profile: ModelProfile, cluster, request: PlanRequest,
-             skipped: list[str]) -> Iterator[Layout]:
+             skipped: list[str], spatial: SpatialProfiles | None = None) -> Iterator[Layout]:
     pinned = request.constraints
     world = cluster.world_size
     blocks = len(profile.layers)
     bucket = pinned.bucket_mb   # None: the pricing chooses it per layout
-    for tp in _tp_degrees(profile, cluster, pinned, skipped):
+    axes = [(tp, ()) for tp in _tp_degrees(profile, cluster, pinned, skipped)]
+    if pinned.spatial:
+        axes = [(axes[0][0], pinned.spatial)]
+    axes += _spatial_axes(cluster, pinned, spatial)
+    for tp, tiles in axes:
         if world % tp:
             skipped.append(f"tp={tp} does not divide the world size {world}")
             continue
         for pp in ([pinned.pp] if pinned.pp else divisors(world // tp)):
-            if pinned.spatial and pp > 1:
-                skipped.append(f"pp={pp}: spatial tiles do not cross pipeline stages")
+            if tiles and pp > 1:
+                if pinned.spatial:
+                    skipped.append(f"pp={pp}: spatial tiles do not cross pipeline stages")
                 continue
             if (world // tp) % pp or pp > blocks:
                 skipped.append(f"pp={pp} does not fit {world // tp} ranks / {blocks} layers")
@@ -250,17 +302,31 @@ def _layouts(profile: ModelProfile, cluster, request: PlanRequest,
                                f"dp={dp} ranks (use a multiple of {dp})")
                 continue
             local = request.global_batch // dp
-            for sp in _sp_choices(tp, pinned):
+            for sp in ([False] if tiles else _sp_choices(tp, pinned)):
                 if pinned.collective_matmul and not (sp and tp > 1):
                     skipped.append(f"collective_matmul=True needs tp > 1 with sp (tp={tp}, "
                                    f"sp={sp})")
                     continue
-                mesh = Mesh(pp=pp, dp=dp, tp=tp, sp=sp, spatial=pinned.spatial or ())
+                mesh = Mesh(pp=pp, dp=dp, tp=tp, sp=sp, spatial=tiles)
                 for micro in _microbatch_sizes(local, pinned, skipped):
                     count = local // micro
                     for schedule, virtual in _schedules(pp, count, blocks, pinned, skipped):
                         yield Layout(mesh, micro, count, schedule, virtual, "none", 0, bucket,
                                      collective_matmul=pinned.collective_matmul)
+
+
+def _spatial_axes(cluster, pinned: Constraints,
+                  spatial: SpatialProfiles | None) -> list[tuple[int, tuple[int, ...]]]:
+    """(tp, tiles) of the spatial meshes to price besides the tp ones: for a graph with
+    convolutions or pooling, every tiling of every tp degree inside a node, unless the
+    constraints pin the tp axis (tp, sp, spatial), pp > 1 or a recompute level (which a
+    spatial plan cannot have: plan._check_spatial_plan)."""
+    if spatial is None or not spatial.applies or pinned.spatial is not None \
+            or pinned.tp is not None or pinned.sp or pinned.collective_matmul \
+            or (pinned.pp or 1) > 1 or pinned.recompute not in (None, "none"):
+        return []
+    return [(tp, tiles) for tp in divisors(cluster.world_size)
+            if tp > 1 and cluster.devices_per_node % tp == 0 for tiles in spatial.tilings(tp)]
 
 
 def _tp_degrees(profile: ModelProfile, cluster, pinned: Constraints,

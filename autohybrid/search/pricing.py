@@ -25,7 +25,8 @@ from typing import Sequence
 from ..cost import comm
 from ..cost.compute import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
 from ..cost.memory import dtype_bytes, training_state, usable_bytes
-from ..plan import MemoryBreakdown, Mesh, Prediction, stage_ranks
+from ..plan import (MemoryBreakdown, Mesh, Prediction, spatial_groups, spatial_stats_axis,
+                    stage_ranks)
 from .layers import gather_groups, is_block
 from .space import LayerProfile, ModelProfile, split_ways
 from .stages import partition
@@ -145,7 +146,7 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
     scale = dtype_bytes(dtype) / graph_dtype_bytes
     device = cluster.device
     peak = device.peak_flops.get(dtype) or max(device.peak_flops.values())
-    replicated_share = 1.0 / t if sp else 1.0
+    replicated_share = 1.0 / t if sp and layer.sp_region else 1.0
     kv, vocab_ways = split_ways("kv", t, kv_heads), split_ways("vocab", t, vocab=vocab)
     matmul = (v["mm_sharded"] / t + v["mm_kv"] / kv + v["mm_vocab"] / vocab_ways
               + v["mm_replicated"]) \
@@ -166,14 +167,16 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
     full = layout.recompute == "full" and is_block(layer.name)
     recompute = {"none": 0.0, "full": forward if full else 0.0,
                  "selective": core}[layout.recompute]
-    tp_ranks = list(range(t))
     tp_comm = 0.0
     for c in layer.collectives if t > 1 else ():
         nbytes = c.nbytes(b, seq) * scale
+        ranks = axis_ranks(mesh, c.axis)
         if c.kind == "all_reduce":
-            time = comm.all_reduce(cluster, tp_ranks, nbytes)
+            time = comm.all_reduce(cluster, ranks, nbytes)
+        elif c.kind == "halo":
+            time = comm.halo_exchange(cluster, ranks, nbytes)
         else:
-            time = comm.all_gather(cluster, tp_ranks, nbytes)
+            time = comm.all_gather(cluster, ranks, nbytes)
         # full recomputation runs the forward, its collectives included, a second time
         repeats = 2 if c.direction == "forward" and full else 1
         tp_comm += repeats * time * (1.0 - tp_overlap)
@@ -184,7 +187,7 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
         linears = 3 * (v["mm_sharded"] / t + v["mm_vocab"] / vocab_ways) \
             / (peak * MATMUL_EFFICIENCY)
         chunks, chunked = comm.best_chunks(tp_comm, linears, len(layer.collectives),
-                                           comm.ring_latency(cluster, tp_ranks))
+                                           comm.ring_latency(cluster, list(range(t))))
         if linears and (chunked < tp_comm or layout.collective_matmul):
             tp_comm = chunked
         else:
@@ -197,6 +200,26 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
     kept = v["input_bytes"] * replicated_share * scale
     return LayerTimes(forward, 2 * forward, recompute, tp_comm, saved,
                       kept if full or layout.recompute != "full" else saved, kept, chunks)
+
+
+def _tiling(mesh: Mesh) -> tuple:
+    """What layer times depend on besides the tp degree: under spatial tiles, the tiles
+    and dp (BatchNorm's statistics are reduced over dp × tp)."""
+    return (mesh.spatial, mesh.dp) if mesh.spatial else ()
+
+
+@lru_cache(maxsize=256)
+def axis_ranks(mesh: Mesh, axis: str) -> tuple[int, ...]:
+    """The mesh ranks of rank 0's group on `axis`: "tp" (ranks 0 … tp − 1), or one of
+    the axes spatial tiles add (plan.spatial_groups: tile rows and columns, dp × tp),
+    or "stats": whichever of "tp" and "dp_tp" BatchNorm's statistics span."""
+    if axis == "tp":
+        return tuple(range(mesh.tp))
+    if axis == "stats":   # BatchNorm's statistics under spatial tiles: tiles and dp
+        axis = spatial_stats_axis(mesh)
+        if axis == "tp":
+            return tuple(range(mesh.tp))
+    return tuple(next(g for g in spatial_groups(mesh)[axis] if 0 in g))
 
 
 @dataclass(frozen=True)
@@ -379,7 +402,7 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
         cache["links"] = LinkCache(cluster)
     cluster = cache["links"]
     mesh = layout.mesh
-    shape = (layout.microbatch_size, mesh.tp, mesh.sp, layout.recompute)
+    shape = (layout.microbatch_size, mesh.tp, mesh.sp, layout.recompute, *_tiling(mesh))
     every = ("times", *shape, layout.collective_matmul)
     if every not in cache:
         times = []
@@ -444,7 +467,7 @@ def memory_per_pp_rank(profile: ModelProfile, cluster, layout: Layout, seq: int 
     cache: dict = {}
     links = LinkCache(cluster)
     mesh = layout.mesh
-    shape = (layout.microbatch_size, mesh.tp, mesh.sp, layout.recompute)
+    shape = (layout.microbatch_size, mesh.tp, mesh.sp, layout.recompute, *_tiling(mesh))
     by_signature: dict = {}  # identical layers (a model's repeated blocks) priced once
     for layer in profile.layers:
         if layer.signature not in by_signature:

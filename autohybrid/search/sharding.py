@@ -94,9 +94,10 @@ def shard_dim(placement: str) -> int | None:
 @dataclass
 class Collective:
     node: str
-    kind: str            # "all_reduce" | "all_gather"
+    kind: str            # "all_reduce" | "all_gather" | "halo" (a neighbour exchange)
     direction: str       # "forward" | "backward"
     nbytes: sympy.Expr
+    axis: str = "tp"     # the mesh axis whose group it spans (plan.spatial_groups)
 
 
 @dataclass(frozen=True)

@@ -33,9 +33,10 @@ FIELDS = ("mm_sharded", "mm_replicated", "other_sharded", "other_replicated",
 
 @dataclass(frozen=True)
 class Collective:
-    kind: str          # "all_reduce" | "all_gather"
+    kind: str          # "all_reduce" | "all_gather" | "halo"
     direction: str     # "forward" | "backward"
     nbytes: Callable[[int, int], float]
+    axis: str = "tp"   # the mesh axis whose group it spans
 
 
 @dataclass
@@ -46,6 +47,10 @@ class LayerProfile:
     num_ops: int
     values: Callable[[int, int], dict[str, float]]
     collectives: list[Collective] = field(default_factory=list)
+    #: whether sequence parallelism splits this layer's replicated ops (False in a model
+    #: with no sequence region: no row-parallel linear or vocabulary-parallel embedding
+    #: whose sum sp would scatter, as in a CNN: passes/sequence_parallel.py)
+    sp_region: bool = True
 
 
 def split_ways(split: str, tp: int, kv_heads: int | None = None,
@@ -117,27 +122,41 @@ class ModelProfile:
 
 
 def profile(gm: fx.GraphModule, dim_roles: dict[sympy.Symbol, str],
-            rates: Rates | None = None) -> ModelProfile:
+            rates: Rates | None = None,
+            layout: TensorParallelLayout | None = None) -> ModelProfile:
     """The costed model; `rates` (from the cluster) decide the generic linears' shardings
-    (search/tp_choice.py), None keeps Megatron's assignment alone."""
-    layout = choose_layout(gm, rates) if rates is not None else megatron_layout(gm)
+    (search/tp_choice.py), None keeps Megatron's assignment alone. A given `layout` is
+    used as it is (spatial_costs.py: nothing split, the graph's own collectives)."""
+    if layout is None:
+        layout = choose_layout(gm, rates) if rates is not None else megatron_layout(gm)
     batch, seq = sympy.symbols("batch seq", positive=True, integer=True)
     subs = {s: (batch if role == "batch" else seq) for s, role in dim_roles.items()}
     compiled: dict[str, tuple] = {}
     layers = []
     needs_grad = grad_nodes(gm)
     saved_anywhere = {s for n in gm.graph.nodes for s in saved_nodes(n, needs_grad)}
+    sp_region = has_sequence_region(gm, layout)
     for layer in segment(gm):
         if layer.signature not in compiled:
             compiled[layer.signature] = _compile_layer(layer, layout, subs, batch, seq,
                                                        needs_grad, saved_anywhere)
         values, collectives, num_ops = compiled[layer.signature]
         layers.append(LayerProfile(layer.name, layer.signature, _layer_params(layer, layout),
-                                   num_ops, values, collectives))
+                                   num_ops, values, collectives, sp_region))
     unique = {n.meta.get(AH_PARAM, n.name): n.meta[VAL].numel() for n in gm.graph.nodes
               if n.op == "placeholder" and n.meta.get(AH_ROLE) == "param"}
     heads, kv_heads = _heads(gm)
     return ModelProfile(layers, layout, sum(unique.values()), heads, kv_heads, layout.vocab)
+
+
+def has_sequence_region(gm: fx.GraphModule, layout: TensorParallelLayout) -> bool:
+    """Whether sequence parallelism has anything to split: its regions start where a
+    row-parallel linear's or a vocabulary-parallel embedding's sum is reduced
+    (passes/sequence_parallel.py turns that reduction into a reduce-scatter)."""
+    if any(role == "row" for role in layout.linear_roles.values()):
+        return True
+    return any(op_name(n) == "aten.embedding.default" and isinstance(n.args[0], fx.Node)
+               and param_key(n.args[0]) in layout.vocab_params for n in gm.graph.nodes)
 
 
 def _layer_params(layer: Layer, layout: TensorParallelLayout) -> tuple[tuple[str, int, bool], ...]:
@@ -208,7 +227,7 @@ def _compile_layer(layer: Layer, layout: TensorParallelLayout, subs: dict, batch
         if c.node in names:
             f = sympy.lambdify((batch, seq), c.nbytes.xreplace(subs), modules="math")
             collectives.append(Collective(c.kind, c.direction,
-                                          lambda b, s, f=f: float(f(b, s or 1))))
+                                          lambda b, s, f=f: float(f(b, s or 1)), c.axis))
     return values, collectives, num_ops
 
 
