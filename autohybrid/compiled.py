@@ -228,7 +228,14 @@ class CompiledModel:
 
     def _make_optimizer(self) -> None:
         """The optimizer over this rank's part (and the scheduler on it, afresh)."""
-        self.optimizer = build_optimizer(self.optimizer_factory, self._optimizer_params())
+        params = self._optimizer_params()
+        if not params:
+            # a pipeline stage of weightless layers (pools, activations, a flatten) trains
+            # nothing on this rank: no optimizer (torch's refuse an empty parameter list),
+            # no scheduler, nothing to step; its checkpoint holds no optimizer state
+            self.optimizer = self.scheduler = None
+            return
+        self.optimizer = build_optimizer(self.optimizer_factory, params)
         guard_optimizer_load(self.optimizer, self._optimizer_named())
         if self.zero is not None and self.zero.stage < 3:
             self.optimizer.register_step_post_hook(lambda *_: self.zero.gather_params())
@@ -392,8 +399,10 @@ class CompiledModel:
         on its real groups; the search's trial (rank 0's program on fake groups) is not
         reused. (Reusing it once trained a GRU under tp2 with wrong gradients; the cause,
         a pass specializing the capture's batch symbol, is fixed in passes/manager.py.)"""
+        padded = frozenset() if cap.with_loss or self.sharded is None else frozenset(
+            name for name, spec in self.sharded.specs.items() if spec.padded != spec.size)
         program = rewrite(cap, self._pass_plan(cap), self.rank,
-                          example_inputs=self.example_inputs)
+                          example_inputs=self.example_inputs, padded_params=padded)
         if self.materializer is not None:  # captured on meta, runs on this device
             retarget_device(program.gm, self.device)
             for stage in program.pipeline.stages if program.pipeline is not None else ():

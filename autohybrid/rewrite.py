@@ -36,7 +36,8 @@ NOTE_FIELDS = {
 
 def rewrite(captured: CapturedGraph, plan: Plan, rank: int, *, example_inputs: tuple = (),
             snapshots: bool = False, fake_groups: bool = False,
-            skip: tuple[str, ...] = ()) -> RankProgram:
+            skip: tuple[str, ...] = (), padded_params: frozenset[str] = frozenset()
+            ) -> RankProgram:
     """Rank `rank`'s program for `captured` under `plan`.
 
     `example_inputs` give the device of a graph captured under autocast (the passes'
@@ -45,6 +46,8 @@ def rewrite(captured: CapturedGraph, plan: Plan, rank: int, *, example_inputs: t
     on fake process groups (`fake_process_groups`), else on the groups bound now.
     `skip` names passes left out (the planner's trial leaves out those that never refuse
     a plan: trial.py `NEVER_REFUSE`); a name not in the pass table is refused.
+    `padded_params`: the weights a training program split as a padded vocabulary, for a
+    forward graph rewritten after it (tensor_parallel pads them alike).
     """
     unknown = sorted(set(skip) - set(ORDER))
     if unknown:
@@ -53,7 +56,8 @@ def rewrite(captured: CapturedGraph, plan: Plan, rank: int, *, example_inputs: t
     with fake_process_groups(plan, rank) if fake_groups else nullcontext():
         kind = "train" if captured.with_loss else "forward"
         ctx = PassContext(plan=plan, rank=rank, coords=plan.mesh.coords(rank),
-                          graph_kind=kind, snapshots=[] if snapshots else None)
+                          graph_kind=kind, snapshots=[] if snapshots else None,
+                          padded_params=padded_params)
         if captured.with_loss:
             ctx.notes["loss_output_index"] = captured.user_outputs[0]
         with captured.autocast_context(example_inputs):

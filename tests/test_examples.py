@@ -42,7 +42,7 @@ def test_cnn_spatial_example_tiles_under_its_memory_limit_and_matches_eager():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "examples/cnn_spatial.py", "--steps", "2", "--size", "24",
-         "--channels", "4,8"],
+         "--channels", "4,8,8"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=guard(230))
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout

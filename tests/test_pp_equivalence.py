@@ -333,6 +333,21 @@ def _in_place_rank(rank: int, world: int) -> list[str]:
                       constraints=ah.Constraints(pp=2, dp=1, tp=1, schedule="1f1b",
                                                  num_microbatches=2,
                                                  stage_boundaries=("model.blocks.0",)))
+    # ZB-V puts stages 1 and 2 on pp rank 1: a max pool and a tanh, weightless, so that
+    # rank trains nothing and builds no optimizer (torch's refuse an empty list)
+    for optimizer in ("sgd", "adamw"):
+        torch.manual_seed(0)
+        weightless_middle = nn.Sequential(nn.Linear(12, 12), nn.MaxPool1d(2), nn.Tanh(),
+                                          nn.Flatten(), nn.Linear(18, 5)).double()
+        compiled, _ = train_and_compare(
+            fails, f"weightless stages/{optimizer}", weightless_middle, batches, world,
+            loss_fn=F.cross_entropy, optimizer=OPTIMIZERS[optimizer],
+            constraints=ah.Constraints(pp=2, dp=1, tp=1, schedule="zbv", virtual_stages=2,
+                                       num_microbatches=4,
+                                       stage_boundaries=("model.1", "model.2", "model.3")))
+        fails.check(f"weightless stages/{optimizer}: rank {rank} optimizer "
+                    f"{type(compiled.optimizer).__name__}",
+                    (compiled.optimizer is None) == (rank == 1))
     case = coverage.build("transformer")
     train_and_compare(fails, "nn.Transformer/zero-bubble", case.model, case.batches[:2], world,
                       loss_fn=case.loss_fn, optimizer=OPTIMIZERS["sgd"],

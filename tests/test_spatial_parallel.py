@@ -275,10 +275,11 @@ def test_data_x_spatial_with_zero_matches_eager():
 
 def test_the_planner_tiles_a_3d_cnn_that_does_not_fit_otherwise():
     """Unpinned, on 4 ranks whose memory holds no plan without tiles (the batch of 2
-    volumes splits over dp 2 at most; tp splits only the classifier), the planner picks
-    a spatial plan, and every other candidate that fits tiles too; with the machine's
-    own memory it does not tile (on these CPUs the halo exchanges cost more than the
-    compute they split). The plan trains like eager: _zero_rank."""
+    volumes splits over dp 2 at most; tp splits the convolutions by filters and channels
+    but gathers every BatchNorm's input), the planner picks a spatial plan, and every
+    other candidate that fits tiles too; with the machine's own memory it does not tile
+    (on these CPUs the halo exchanges cost more than the compute they split) and needs
+    more memory than the tiled plan. The plan trains like eager: _zero_rank."""
     torch.manual_seed(0)
     model = Cnn3d().double()
     (x,), y = _volume_batches(steps=1)[0]
@@ -291,7 +292,7 @@ def test_the_planner_tiles_a_3d_cnn_that_does_not_fit_otherwise():
     roomy = ah.plan(model, ah.Cluster.local(4), (x,), loss_fn=F.cross_entropy,
                     example_targets=y, executable_only=True)
     assert not roomy.mesh.spatial, roomy.summary()
-    assert roomy.predicted.memory_per_rank_bytes > MEMORY_LIMIT
+    assert roomy.predicted.memory_per_rank_bytes > plan.predicted.memory_per_rank_bytes
 
 
 # ============================================================================ models we did not write

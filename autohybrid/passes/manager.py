@@ -42,6 +42,9 @@ class PassContext:
     rank: int
     coords: tuple[int, int, int]          # (pp, dp, tp)
     graph_kind: str = "train"             # "train" (model + loss) or "forward"
+    #: weights the training graph split as a padded vocabulary (its loss is
+    #: vocabulary-parallel); a forward graph, which has no loss to tell, pads them alike
+    padded_params: frozenset[str] = frozenset()
     notes: dict[str, Any] = field(default_factory=dict)
     #: when a list, run_passes appends (pass name, copies of the graphs after it) for each
     #: pass that ran: {graph_kind: graph}, or {"stage<k>": graph} once the pipeline is

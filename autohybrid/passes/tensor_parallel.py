@@ -11,7 +11,11 @@ planner and the pass agree by construction. On rank r of the tp group:
   exceeds them, their replicas' gradients summed by `tp_replicated`);
 - a column-parallel linear reads its input through `tp_copy` (Megatron's f: identity,
   backward all-reduce); a row-parallel linear computes its partial product, `tp_reduce`
-  (g: all-reduce, backward identity) sums it, then its bias is added once;
+  (g: all-reduce, backward identity) sums it, then its bias is added once; convolutions
+  (one group, not transposed) split the same way by channels: column = filter
+  parallelism (output channels), row = channel parallelism (input channels, the partial
+  sums all-reduced), a filter-split conv feeding a channel-split one through per-channel
+  ops (activations, pools) with no collective between them;
 - views, reshapes, expands and splits of split values get their local sizes;
 - the vocabulary-parallel embedding and cross-entropy (ops/vocab_parallel.py) replace
   embedding and the class loss, so the logits are never gathered for the loss;
@@ -87,11 +91,30 @@ def _plan_layout(gm: fx.GraphModule, ctx: PassContext) -> TensorParallelLayout:
     layout = megatron_layout(gm, choices)
     tp = ctx.plan.mesh.tp
     undivided = {linear for key, linear in layout.open_params.items()
-                 if any(b % tp for b in layout.fused_params.get(
+                 if key not in ctx.padded_params and any(b % tp for b in
+                                                         layout.fused_params.get(
                      key, (layout.shard_sizes.get(key, 0),)))}
-    if not undivided:
-        return layout
-    return megatron_layout(gm, {k: v for k, v in choices.items() if k not in undivided})
+    if undivided:
+        layout = megatron_layout(gm, {k: v for k, v in choices.items() if k not in undivided})
+    _pad_as_in_training(gm, layout, ctx.padded_params)
+    return layout
+
+
+def _pad_as_in_training(gm: fx.GraphModule, layout: TensorParallelLayout,
+                        padded: frozenset[str]) -> None:
+    """A forward graph's column linears over the vocabulary the training graph padded
+    (its vocabulary-parallel loss told it; this graph has no loss): padded alike, so
+    both programs read the same shards, and their output gathered without the padding."""
+    for node in gm.graph.nodes:
+        parts = linear_parts(node)
+        if parts is None or param_key(parts.weight) not in padded \
+                or layout.linear_roles.get(node.name) != "column":
+            continue
+        layout.vocab_linears.add(node.name)
+        layout.vocab_params.add(param_key(parts.weight))
+        layout.vocab = int(parts.weight.meta[VAL].shape[parts.column_dim])
+        if parts.bias is not None:
+            layout.vocab_params.add(param_key(parts.bias))
 
 
 class _Rewriter:
@@ -295,11 +318,22 @@ class _Rewriter:
                 reduced = self.call(ah_ops.tp_reduce.default, (node, AXIS), like=node)
             node.replace_all_uses_with(reduced, delete_user_cb=lambda u: u is not reduced)
             return
-        product = aten.linear.default if op_name(node) == "aten.linear.default" \
-            else aten.mm.default  # addmm(bias, x, w)
         with self.graph.inserting_before(node):
-            partial = self.call(product, (x, parts.weight), like=node)
+            if parts.feature == -1:
+                product = aten.linear.default if op_name(node) == "aten.linear.default" \
+                    else aten.mm.default  # addmm(bias, x, w)
+                partial = self.call(product, (x, parts.weight), like=node)
+            else:   # a convolution: the same op without its bias
+                args, kwargs = list(node.args), dict(node.kwargs)
+                if len(args) > 2:
+                    args[2] = None
+                else:
+                    kwargs["bias"] = None
+                partial = self.call(node.target, tuple(args), kwargs, like=node)
             reduced = self.call(ah_ops.tp_reduce.default, (partial, AXIS), like=node)
+            if parts.feature != -1:   # the bias per channel: (C, 1, ...) against (N, C, ...)
+                spatial = node.meta[VAL].dim() - 2
+                bias = self.call(aten.view.default, (bias, [-1] + [1] * spatial))
             total = self.call(aten.add.Tensor, (reduced, bias), like=node)
         node.replace_all_uses_with(total)
         self.graph.erase_node(node)

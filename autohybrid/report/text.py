@@ -88,9 +88,13 @@ def explain(compiled: Any) -> str:
         whole = sum(p.numel() for p in compiled.model.parameters())
         padded = sorted(n for n, s in sharded.specs.items() if s.padded != s.size)
         fused = sorted(n for n, s in sharded.specs.items() if s.chunks > 1)
+        params = dict(compiled.model.named_parameters())
+        convs = [s.dim for n, s in sharded.specs.items() if n in params and params[n].dim() >= 3]
         lines.append(f"tensor parallelism: {len(sharded.specs)} parameters split over tp = "
                      f"{plan.mesh.tp}{' with sequence parallelism' if plan.mesh.sp else ''}; "
                      f"this rank holds {mine:,} of {whole:,} parameter elements"
+                     + (f"; convolutions split by filters: {convs.count(0)}, by channels: "
+                        f"{convs.count(1)}" if convs else "")
                      + (f"; vocabulary padded: {padded}" if padded else "")
                      + (f"; fused projections split block by block: {fused}" if fused else ""))
     split = next((p.pipeline for p in compiled.programs.values() if p.pipeline is not None),

@@ -276,6 +276,7 @@ def _layouts(profile: ModelProfile, cluster, request: PlanRequest,
     pinned = request.constraints
     world = cluster.world_size
     blocks = len(profile.layers)
+    sequence = any(layer.sp_region for layer in profile.layers)
     bucket = pinned.bucket_mb   # None: the pricing chooses it per layout
     axes = [(tp, ()) for tp in _tp_degrees(profile, cluster, pinned, skipped)]
     if pinned.spatial:
@@ -302,7 +303,7 @@ def _layouts(profile: ModelProfile, cluster, request: PlanRequest,
                                f"dp={dp} ranks (use a multiple of {dp})")
                 continue
             local = request.global_batch // dp
-            for sp in ([False] if tiles else _sp_choices(tp, pinned)):
+            for sp in ([False] if tiles else _sp_choices(tp, pinned, sequence)):
                 if pinned.collective_matmul and not (sp and tp > 1):
                     skipped.append(f"collective_matmul=True needs tp > 1 with sp (tp={tp}, "
                                    f"sp={sp})")
@@ -346,13 +347,14 @@ def _tp_degrees(profile: ModelProfile, cluster, pinned: Constraints,
     return out
 
 
-def _sp_choices(tp: int, pinned: Constraints) -> list[bool]:
+def _sp_choices(tp: int, pinned: Constraints, sequence: bool) -> list[bool]:
     """Sequence parallelism moves the same bytes as tp's all-reduces and splits the
     replicated regions' compute and activations, so with tp > 1 it dominates (pin sp=False
-    to see the alternative priced)."""
+    to see the alternative priced); a graph with no sequence region (a CNN: no sequence
+    dim) has nothing for it to split, so it is not offered."""
     if pinned.sp is not None:
         return [pinned.sp]
-    return [True] if tp > 1 and not pinned.spatial else [False]
+    return [True] if tp > 1 and not pinned.spatial and sequence else [False]
 
 
 def _microbatch_sizes(local: int, pinned: Constraints, skipped: list[str]) -> list[int]:

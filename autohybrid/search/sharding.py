@@ -75,7 +75,9 @@ _ELEMENTWISE_PREFIXES = ("aten.add.", "aten.sub.", "aten.mul.", "aten.div.", "at
                          "aten.dropout.", "aten.neg.", "aten.pow.", "aten.exp.",
                          "aten.clone.", "aten._to_copy.", "aten.to.", "aten.contiguous.",
                          "aten.cos.", "aten.sin.", "aten.rsqrt.", "aten.sqrt.",
-                         "aten.alias.", "aten.detach.", "aten.type_as.")
+                         "aten.alias.", "aten.detach.", "aten.type_as.",
+                         "aten.leaky_relu.", "aten.hardtanh.", "aten.elu.", "aten.relu6.",
+                         "aten.hardswish.", "aten.hardsigmoid.", "aten.mish.")
 
 
 def param_key(node: fx.Node) -> str:
@@ -109,6 +111,53 @@ class LinearParts:
     bias: fx.Node | None
     column_dim: int   # weight dim of the output features
     row_dim: int      # weight dim of the input features
+    feature: int = -1  # the features' dim in x and the output: -1, or 1 (channels) for a conv
+
+    def feature_dim(self, value: torch.Tensor) -> int:
+        """The features' dim of `value` (x or the output), counted from 0."""
+        return self.feature % value.dim()
+
+
+#: Convolutions whose weight (out channels × in channels × kernel) splits like a linear's:
+#: by output channels (filter parallelism, column) or input channels (channel parallelism,
+#: row), with args (input, weight, bias, stride, padding, dilation, ...)
+CONV_OPS = {"aten.conv1d.default", "aten.conv2d.default", "aten.conv3d.default",
+            "aten.conv1d.padding", "aten.conv2d.padding", "aten.conv3d.padding",
+            "aten.convolution.default"}
+#: Pools and resizes, channel by channel: their output keeps a shard of the batch or
+#: channel dims (→ the number of pooled dims trailing)
+_POOLS = {f"aten.{kind}_pool{d}d{suffix}": d
+          for kind in ("max", "avg", "adaptive_avg", "adaptive_max") for d in (1, 2, 3)
+          for suffix in (".default", "_with_indices.default")}
+_POOLS.update({f"aten.upsample_{kind}{d}d.{overload}": d
+               for kind, ds in (("nearest", (1, 2, 3)), ("linear", (1,)), ("bilinear", (2,)),
+                                ("bicubic", (2,)), ("trilinear", (3,)))
+               for d in ds for overload in ("vec", "default")})   # resizing, channel by channel
+#: Reductions over listed dims: a shard on a dim they keep moves to its place
+_DIM_REDUCTIONS = {"aten.mean.dim", "aten.sum.dim_IntList", "aten.amax.default",
+                   "aten.amin.default"}
+
+
+def _conv_parts(node: fx.Node) -> LinearParts | None:
+    """A convolution with a parameter weight, one group and not transposed (a grouped or
+    depthwise conv ties its channels to its filters: it stays whole)."""
+    name, args = op_name(node), node.args
+    weight = args[1] if len(args) > 1 else None
+    value = _val(weight)
+    if not (isinstance(weight, fx.Node) and weight.meta.get(AH_ROLE) == "param"
+            and value is not None and value.dim() >= 3):
+        return None
+    values = schema_args(node)
+    if name == "aten.convolution.default" and values.get("transposed"):
+        return None
+    if values.get("groups", 1) != 1:
+        return None
+    x = _val(args[0])
+    if x is None or x.dim() != value.dim():   # batched input: (N, C, spatial...)
+        return None
+    bias = values.get("bias")
+    return LinearParts(args[0], weight, bias if isinstance(bias, fx.Node) else None, 0, 1,
+                       feature=1)
 
 
 def linear_parts(node: fx.Node) -> LinearParts | None:
@@ -119,6 +168,8 @@ def linear_parts(node: fx.Node) -> LinearParts | None:
     if name == "aten.linear.default":
         bias = args[2] if len(args) > 2 and isinstance(args[2], fx.Node) else None
         return LinearParts(args[0], args[1], bias, 0, 1)
+    if name in CONV_OPS:
+        return _conv_parts(node)
     if name == "aten.addmm.default":
         bias, x, weight = args[0], args[1], args[2]
     elif name in ("aten.mm.default", "aten.matmul.default"):
@@ -218,7 +269,7 @@ def _flows_to_consumer_that_shards(node: fx.Node, dim: int, blocks: tuple[int, .
                 continue
             parts = linear_parts(user)
             if parts is not None and parts.x is current:
-                return d == _val(current).dim() - 1 and not b
+                return d == parts.feature_dim(_val(current)) and not b
             if name in _CLASS_LOSSES or name == "aten.scaled_dot_product_attention.default":
                 return not b
             moved = follow_blocked(user, current, d, b)
@@ -280,7 +331,23 @@ def _follow(user: fx.Node, src: fx.Node, dim: int):
         if out is None:
             return None
         return dim + (out.dim() - _val(src).dim())
+    if name in _POOLS and user.args[0] is src:
+        return dim if dim < _val(src).dim() - _POOLS[name] else None
+    if name in _DIM_REDUCTIONS and user.args[0] is src:
+        return _reduced_dim(user, _val(src).dim(), dim)
     return None
+
+
+def _reduced_dim(user: fx.Node, rank: int, dim: int) -> int | None:
+    """Where dim `dim` lands in a reduction's output (None: it is reduced)."""
+    values = schema_args(user)
+    dims = values.get("dim")
+    if dims is None or (isinstance(dims, (list, tuple)) and not dims):
+        return None   # over every dim
+    dims = {int(d) % rank for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
+    if dim in dims:
+        return None
+    return dim if values.get("keepdim") else dim - sum(d < dim for d in dims)
 
 
 def view_span(src: torch.Tensor, out: torch.Tensor, dim: int) -> list[int] | None:
@@ -679,7 +746,8 @@ def _linear(node: fx.Node, parts: LinearParts, layout: TensorParallelLayout,
     out = _val(node)
     x_dim = shard_dim(place.get(x.name, R))
     x_blocked = bool(layout.blocks.get(x.name))
-    if x_dim is not None and x_dim == _val(x).dim() - 1 and not x_blocked:
+    feature = parts.feature_dim(out)
+    if x_dim is not None and x_dim == parts.feature_dim(_val(x)) and not x_blocked:
         # row-parallel: partial → all-reduce
         layout.linear_roles[node.name] = "row"
         layout.param_placements[param_key(weight)] = shard(parts.row_dim)
@@ -691,10 +759,10 @@ def _linear(node: fx.Node, parts: LinearParts, layout: TensorParallelLayout,
     if x_dim is not None:  # sharded elsewhere: gather, then decide as for a replicated input
         layout.collectives.append(Collective(node.name, "all_gather", "forward",
                                              nbytes_expr(_val(x))))
-    features = _static(out.shape[-1])
+    features = _static(out.shape[feature])
     splittable = not forced and features is not None and features > 1
-    blocks = fused_blocks(node, out.dim() - 1) if splittable else ()
-    megatron = splittable and _flows_to_consumer_that_shards(node, out.dim() - 1, blocks)
+    blocks = fused_blocks(node, feature) if splittable and parts.feature == -1 else ()
+    megatron = splittable and _flows_to_consumer_that_shards(node, feature, blocks)
     if splittable and not megatron:
         layout.open.append(node.name)
     if megatron or (splittable and choice == "column"):
@@ -705,7 +773,7 @@ def _linear(node: fx.Node, parts: LinearParts, layout: TensorParallelLayout,
             layout.open_params[param_key(weight)] = node.name
         if bias is not None:
             layout.param_placements[param_key(bias)] = shard(0)
-        place[node.name] = shard(out.dim() - 1)
+        place[node.name] = shard(feature)
         if blocks:
             layout.blocks[node.name] = blocks
             for p in (weight, bias):

@@ -135,7 +135,7 @@ def profile(gm: fx.GraphModule, dim_roles: dict[sympy.Symbol, str],
     layers = []
     needs_grad = grad_nodes(gm)
     saved_anywhere = {s for n in gm.graph.nodes for s in saved_nodes(n, needs_grad)}
-    sp_region = has_sequence_region(gm, layout)
+    sp_region = has_sequence_region(gm, layout, dim_roles)
     for layer in segment(gm):
         if layer.signature not in compiled:
             compiled[layer.signature] = _compile_layer(layer, layout, subs, batch, seq,
@@ -149,10 +149,14 @@ def profile(gm: fx.GraphModule, dim_roles: dict[sympy.Symbol, str],
     return ModelProfile(layers, layout, sum(unique.values()), heads, kv_heads, layout.vocab)
 
 
-def has_sequence_region(gm: fx.GraphModule, layout: TensorParallelLayout) -> bool:
-    """Whether sequence parallelism has anything to split: its regions start where a
-    row-parallel linear's or a vocabulary-parallel embedding's sum is reduced
+def has_sequence_region(gm: fx.GraphModule, layout: TensorParallelLayout,
+                        dim_roles: dict) -> bool:
+    """Whether sequence parallelism has anything to split: the inputs have a sequence dim
+    (an image's dim 1 is its channels) and its regions start where a row-parallel
+    linear's or a vocabulary-parallel embedding's sum is reduced
     (passes/sequence_parallel.py turns that reduction into a reduce-scatter)."""
+    if "seq" not in dim_roles.values():
+        return False
     if any(role == "row" for role in layout.linear_roles.values()):
         return True
     return any(op_name(n) == "aten.embedding.default" and isinstance(n.args[0], fx.Node)
