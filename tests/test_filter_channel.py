@@ -154,21 +154,23 @@ def _assert_no_failures(results) -> None:
     assert not any(results), report(results)
 
 
-def _ours(world: int):
-    """(name, build, batches, loss kwargs, must split filters and channels)."""
+def _ours(tp: int, dp: int):
+    """(name, build, batches, loss kwargs, must split filters and channels): every model
+    at tp 2 (dp 1 and 2); at tp 4 those whose channels 4 divides (Cnn2d's and Cnn3d's 6
+    do not: tp 4 is refused for them, test above)."""
     torch.manual_seed(0)
     ce = dict(loss_fn=F.cross_entropy)
-    return [
+    models = [
         ("chain", lambda: Chain().double(), _batches((4, 3, 10, 9)), ce, True),
         ("cnn2d", lambda: Cnn2d().double(), _batches((4, 3, 19, 23)), ce, True),
         ("cnn3d", lambda: Cnn3d().double(), _batches((4, 2, 13, 11, 9)), ce, True),
         ("cosmoflow", _cosmoflow, _batches((4, 2, 12, 12, 12)), ce, True),
         ("resnet-tiny", lambda: zoo_model("resnet-tiny"), _resnet_batches(16),
          dict(loss_fn=zoo_loss("resnet-tiny")), False),
-    ] if world == 2 else [
-        ("cosmoflow", _cosmoflow, _batches((4, 2, 12, 12, 12)), ce, True),
-        ("chain", lambda: Chain().double(), _batches((4, 3, 10, 9)), ce, True),
     ]
+    if tp == 4:
+        return [m for m in models if m[0] in ("chain", "cosmoflow")]
+    return models if dp == 1 else [m for m in models if m[0] != "cnn2d"]
 
 
 def _foreign():
@@ -181,9 +183,9 @@ def _foreign():
 
 def _filter_channel_rank(rank: int, world: int, meshes: tuple, foreign: bool) -> list[str]:
     fails = Failures()
-    cases = _foreign() if foreign else _ours(world)
     for dp, tp in meshes:
-        for m, (name, build, batches, loss, pairs) in enumerate(cases):
+        for m, (name, build, batches, loss, pairs) in enumerate(
+                _foreign() if foreign else _ours(tp, dp)):
             optimizer = ("sgd", "adamw")[(m + dp) % 2]
             torch.manual_seed(0)
             model = build()
@@ -218,6 +220,8 @@ def test_filter_and_channel_parallel_cnns_match_eager_on_two_ranks():
 @pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_data_x_filter_and_tp4_match_eager_on_four_ranks():
+    """dp 2 × tp 2 (data × filter) on the 3-D CNN, CosmoFlow, resnet-tiny and the chain;
+    tp 4 on CosmoFlow and the chain."""
     _assert_no_failures(_launch(_filter_channel_rank, 4, ((2, 2), (1, 4)), False))
 
 
@@ -228,3 +232,26 @@ def test_models_we_did_not_write_match_eager_under_filter_and_channel_parallelis
     Upsample, a 1-D CNN with BatchNorm1d, under tp 2."""
     pytest.importorskip("transformers")
     _assert_no_failures(_launch(_filter_channel_rank, 2, ((1, 2),), True))
+
+
+def test_the_report_view_names_split_channels_and_spatial_halos():
+    """The report's layer view (report/graphview.py, what `autohybrid report` draws):
+    the conv layers say how tp splits them, and a spatial plan's layers list their halo
+    exchanges."""
+    from autohybrid.report.graphview import coarse_view
+    model = Chain()
+    x, y = torch.randn(2, 3, 8, 8), torch.randint(0, CLASSES, (2,))
+    cap = capture(model, (x,), F.cross_entropy, example_targets=(y,))
+    views = {}
+    for name, constraints in (("tp", ah.Constraints(tp=2, dp=1, pp=1, sp=False)),
+                              ("spatial", ah.Constraints(tp=2, pp=1, spatial=(2,)))):
+        plan = ah.plan(model, ah.Cluster.local(2), (x,), loss_fn=F.cross_entropy,
+                       example_targets=(y,), constraints=constraints)
+        views[name] = {g.name: g for g in coarse_view(rewrite(cap, plan, 0,
+                                                              fake_groups=True)).groups}
+    assert views["tp"]["c1"].sharding == "out-channels", views["tp"]["c1"]
+    assert views["tp"]["c2"].sharding == "in-channels", views["tp"]["c2"]
+    assert dict(views["tp"]["c2"].collectives).get("tp_reduce") == 1
+    halos = {name: dict(g.collectives).get("halo_fetch", 0)
+             for name, g in views["spatial"].items()}
+    assert halos["c1"] == halos["c2"] == halos["pool"] == 1, halos

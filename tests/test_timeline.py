@@ -264,3 +264,51 @@ def test_interval_arithmetic():
     assert total(subtract([(0, 10), (20, 30)], [(8, 22)])) == 16
     iv = Interval("compute", "forward", 1.0, 2.5, 0, "forward")
     assert iv.duration_s == 1.5
+
+
+# ---------------------------------------------------------------------------- CNN hybrids
+def _cnn_rank(rank: int) -> dict:
+    """A small 3-D CNN under spatial 2 and under filter/channel (tp 2), 2 measured steps
+    each (after 1 warm-up), and the predicted timeline of each plan."""
+    out = {}
+    for name, constraints in (("spatial", ah.Constraints(tp=2, pp=1, spatial=(2,))),
+                              ("filter", ah.Constraints(tp=2, dp=1, pp=1, sp=False))):
+        torch.manual_seed(0)
+        model = ah.models.cosmoflow(channels=[4, 8], in_channels=2, image_size=8, hidden=8,
+                                    outputs=4)
+        g = torch.Generator().manual_seed(3)
+        batches = [((torch.randn(2, 2, 8, 8, 8, generator=g),), torch.randn(2, 4, generator=g))
+                   for _ in range(3)]
+        compiled = ah.compile(model, ah.Cluster.local(2), batches[0][0],
+                              loss_fn=torch.nn.functional.mse_loss,
+                              example_targets=batches[0][1],
+                              optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                              constraints=constraints)
+        out[name] = (compiled.profile(batches, steps=2, warmup=1),
+                     predicted_timeline(compiled.plan), compiled.plan)
+    return out
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_cnn_hybrids_show_their_halo_exchanges_and_channel_sums():
+    """Spatial 2: the halo exchanges (all_to_all) sit in the forward and the backward of
+    every step; filter/channel (tp 2): the channel-split convs' all-reduces in the
+    forward. The predicted timelines of both plans add up to their predictions."""
+    measured = ah.launch(_cnn_rank, ah.Cluster.local(2), timeout_s=LAUNCH_TIMEOUT_S)[0]
+    spatial, predicted, plan = measured["spatial"]
+    _check_well_formed(spatial, 2, 2)
+    _check_predicted_totals(plan, predicted)
+    for rank in spatial.ranks:
+        for step in range(2):
+            halos = [iv for iv in spatial.intervals(rank, "communication", step)
+                     if iv.name == "all_to_all"]
+            assert {iv.phase for iv in halos} >= {"forward", "backward"}, (rank, step, halos)
+    filtered, predicted, plan = measured["filter"]
+    _check_well_formed(filtered, 2, 2)
+    _check_predicted_totals(plan, predicted)
+    for rank in filtered.ranks:
+        for step in range(2):
+            sums = [iv for iv in filtered.intervals(rank, "communication", step, "forward")
+                    if iv.name == "all_reduce"]
+            assert sums, (rank, step, filtered.intervals(rank, "communication", step))
