@@ -10,7 +10,7 @@ from .features import check_versions
 
 check_versions()  # torch and Triton in the supported range (features.TORCH_SUPPORTED)
 
-from . import init, logs, models  # noqa: E402
+from . import data, init, logs, models  # noqa: E402
 from .api import compile, oracle, plan
 from .bench import BenchResult, bench
 from .calibrate import Profile, calibrate

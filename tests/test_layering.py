@@ -33,6 +33,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("planning", ("planning", "checks")),
     ("report", ("report",)),
     ("runtime", ("runtime",)),
+    ("data", ("data",)),
     ("compiled", ("compiled", "calibrate")),
     ("api", ("api",)),
     ("entry points", ("", "bench", "baselines", "cli", "cli_checks")),
