@@ -15,12 +15,14 @@ copy on the whole batch, and the table shows both losses.
 
 `--presets` also plans, without processes (the models on the meta device), CosmoFlow at
 128³ on two DGX A100 nodes with a global batch of 4, and ResNet-50 on four nodes with a
-global batch of 256, and prints each plan with its best spatial alternative.
+global batch of 256, and prints each plan with its best spatial and its best
+filter/channel alternative.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import time
 
 import torch
@@ -127,6 +129,11 @@ def presets() -> None:
                 print(f"  untiled  {others[0].summary}: {others[0].reason}")
         elif tiled:
             print(f"  tiled    {tiled[0].summary}: {tiled[0].reason}")
+        # data × filter/channel: convolutions split by channels on the tp axis
+        channels = [a for a in plan.alternatives
+                    if re.search(r"×tp[2-9]", a.summary) and "spatial" not in a.summary]
+        if channels and not re.search(r"×tp[2-9]", plan.summary()):
+            print(f"  channels {channels[0].summary}: {channels[0].reason}")
         print()
 
 

@@ -5,8 +5,11 @@ parallelism (its output channels, weight dim 0, and its bias), row = channel par
 (its input channels, weight dim 1; the partial sums all-reduced, the bias added once). A
 filter-split conv whose output reaches a channel-split conv through per-channel ops
 (activations, pools, a residual add) needs no collective between them (Megatron's
-pairing); a BatchNorm, a grouped (depthwise) conv or anything else that needs every
-channel gets its input gathered and runs whole. With dp > 1 it is data × filter.
+pairing); a BatchNorm between them runs on the channel shard too (its statistics are
+per channel: weight and bias split, the shard's batch statistics gathered to update the
+whole running statistics on every rank); a grouped (depthwise) conv or anything else
+that needs every channel gets its input gathered and runs whole. With dp > 1 it is
+data × filter.
 
 Process-free: the layout and the rewritten graph. On gloo ranks, float64, SGD and AdamW:
 losses, gathered gradients and parameters + buffers equal eager's after every step
@@ -166,7 +169,7 @@ def _ours(tp: int, dp: int):
         ("cnn3d", lambda: Cnn3d().double(), _batches((4, 2, 13, 11, 9)), ce, True),
         ("cosmoflow", _cosmoflow, _batches((4, 2, 12, 12, 12)), ce, True),
         ("resnet-tiny", lambda: zoo_model("resnet-tiny"), _resnet_batches(16),
-         dict(loss_fn=zoo_loss("resnet-tiny")), False),
+         dict(loss_fn=zoo_loss("resnet-tiny")), True),
     ]
     if tp == 4:
         return [m for m in models if m[0] in ("chain", "cosmoflow")]
@@ -176,9 +179,9 @@ def _ours(tp: int, dp: int):
 def _foreign():
     hf = dict(loss_fn=_logits_loss, eager_loss=lambda m, i, t: _logits_loss(m(*i), t))
     ce = dict(loss_fn=F.cross_entropy)
-    return [("hf-resnet", _hf_resnet, _batches((4, 3, 32, 32)), hf, False),
+    return [("hf-resnet", _hf_resnet, _batches((4, 3, 32, 32)), hf, True),
             ("native-cnn", lambda: NativeCnn().double(), _batches((4, 3, 18, 18)), ce, True),
-            ("audio-1d", lambda: Audio1d().double(), _batches((4, 2, 37)), ce, False)]
+            ("audio-1d", lambda: Audio1d().double(), _batches((4, 2, 37)), ce, True)]
 
 
 def _filter_channel_rank(rank: int, world: int, meshes: tuple, foreign: bool) -> list[str]:
@@ -203,6 +206,11 @@ def _filter_channel_rank(rank: int, world: int, meshes: tuple, foreign: bool) ->
             expected = ref(x)
             out, expected = (getattr(v, "logits", v) for v in (out, expected))
             fails.close(f"{case} forward", out, expected.detach())
+            compiled.model.eval()   # running statistics: sliced on channel shards
+            ref.eval()
+            out, expected = (getattr(v, "logits", v) for v in (compiled((x,)), ref(x)))
+            fails.close(f"{case} eval forward", out, expected.detach())
+            fails.check(f"{case}: no eval program", "forward_eval" in compiled.programs)
             fails.check(f"{case}: explain() does not count the split convolutions",
                         f"convolutions split by filters: {list(split.values()).count(0)}, "
                         f"by channels: {list(split.values()).count(1)}" in compiled.explain())
@@ -255,3 +263,47 @@ def test_the_report_view_names_split_channels_and_spatial_halos():
     halos = {name: dict(g.collectives).get("halo_fetch", 0)
              for name, g in views["spatial"].items()}
     assert halos["c1"] == halos["c2"] == halos["pool"] == 1, halos
+
+
+class ConvBn(nn.Module):
+    """conv → BatchNorm → relu → conv → BatchNorm (no affine) → mean → linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8)
+        self.c2, self.bn2 = nn.Conv2d(8, 4, 3, padding=1), nn.BatchNorm2d(4, affine=False)
+        self.fc = nn.Linear(4, CLASSES)
+
+    def forward(self, x):
+        x = self.bn2(self.c2(F.relu(self.bn1(self.c1(x)))))
+        return self.fc(x.mean((2, 3)))
+
+
+def test_batch_norm_between_the_pair_runs_on_the_channel_shard():
+    cap, layout, (x, y) = _layout(ConvBn(), (2, 3, 8, 8))
+    norms = [n for n in cap.gm.graph.nodes if op_name(n) == "aten.batch_norm.default"]
+    assert layout.placements[norms[0].name] == "shard(1)"
+    assert layout.placements[norms[1].name] == "replicate"        # after c2's sum
+    assert layout.param_placements["bn1.weight"] == layout.param_placements["bn1.bias"] \
+        == "shard(0)"
+    assert layout.param_placements["c1.weight"] == "shard(0)"
+    assert layout.param_placements["c2.weight"] == "shard(1)"
+    assert [c.kind for c in layout.collectives if c.direction == "forward"
+            and c.node != "cross_entropy_loss"] == ["all_reduce"]   # c2's sum alone
+    for dp in (1, 2):
+        model = ConvBn()
+        plan = ah.plan(model, ah.Cluster.local(2 * dp), (x,), loss_fn=F.cross_entropy,
+                       example_targets=(y,),
+                       constraints=ah.Constraints(tp=2, dp=dp, pp=1, sp=False))
+        program = rewrite(cap, plan, 1, fake_groups=True)
+        gm = program.runnable.gm
+        assert program.param_shards["bn1.weight"].shard_size == 4
+        syncs = [n for n in gm.graph.nodes if op_name(n) == "autohybrid.sync_batch_norm.default"]
+        assert len(syncs) == (1 if dp == 1 else 2), syncs           # dp 2: bn2 synced too
+        assert syncs[0].meta["val"][0].shape[1] == 4                  # bn1's channel shard
+        # the running statistics: updated whole, from the shard's statistics gathered
+        update = next(n for n in gm.graph.nodes
+                      if op_name(n) == "autohybrid.update_running_stats.default"
+                      and "bn1" in str(n.args[0]))
+        assert all(op_name(a).startswith("autohybrid.tp_gather") for a in update.args[2:4])
+        assert update.args[0].meta["val"].shape == (8,)

@@ -97,11 +97,12 @@ class HidingSampler:
         self.milestones, self.warmup_epochs = tuple(milestones), warmup_epochs
         self.seed, self.drop_last = seed, drop_last
         self.epoch = 0
-        #: the last measured statistics of every sample (NaN loss: never measured)
-        self.loss = torch.full((num_samples,), math.nan, dtype=torch.float64)
-        self.correct = torch.zeros(num_samples, dtype=torch.bool)
-        self.prob = torch.zeros(num_samples, dtype=torch.float64)
-        self.hidden = torch.zeros(num_samples, dtype=torch.bool)
+        #: the last measured statistics of every sample (NaN loss: never measured), kept
+        #: on the host: bookkeeping, never handed to a collective
+        self.loss = torch.full((num_samples,), math.nan, dtype=torch.float64, device="cpu")
+        self.correct = torch.zeros(num_samples, dtype=torch.bool, device="cpu")
+        self.prob = torch.zeros(num_samples, dtype=torch.float64, device="cpu")
+        self.hidden = torch.zeros(num_samples, dtype=torch.bool, device="cpu")
 
     # ---------------------------------------------------------------- the schedule
     def fraction_at(self, epoch: int) -> float:
@@ -135,7 +136,7 @@ class HidingSampler:
     def choose_hidden(self, epoch: int) -> torch.Tensor:
         """The rule: among the ⌊F_e · N⌋ samples of lowest loss (measured ones only;
         ties broken by index), those predicted correctly with target probability ≥ τ."""
-        hidden = torch.zeros(self.num_samples, dtype=torch.bool)
+        hidden = torch.zeros(self.num_samples, dtype=torch.bool, device="cpu")
         count = int(math.floor(self.fraction_at(epoch) * self.num_samples + 1e-9))
         measured = torch.nonzero(~torch.isnan(self.loss)).flatten()
         if count == 0 or measured.numel() == 0:

@@ -146,8 +146,9 @@ class PartialShuffle:
     # ---------------------------------------------------------------- moving the data
     def exchange(self, epoch: int, tensors: Sequence[torch.Tensor], *, group: Any = None,
                  async_op: bool = False) -> Any:
-        """Advance to `epoch`, moving this worker's samples: `tensors` hold its current
-        part (row i = sample `parts[rank][i]`); the result (or, with `async_op`, a handle
+        """Advance to `epoch`, moving this worker's samples: `tensors` (on the group's
+        device: CUDA for NCCL) hold its current part (row i = sample `parts[rank][i]`);
+        the result (or, with `async_op`, a handle
         whose `wait()` returns it) holds the new part in `parts[rank]` order. Every worker
         of `group` (default: the world, rank = worker) calls it."""
         rank = dist.get_rank(group) if group is not None else dist.get_rank()
@@ -165,9 +166,11 @@ class PartialShuffle:
         sends = plan.sends[rank]
         out_ids = [i for r in range(self.workers) for i in sends[r]]
         in_sizes = [len(plan.sends[w][rank]) for w in range(self.workers)]
-        rows = torch.tensor([before[i] for i in out_ids], dtype=torch.long)
+        device = tensors[0].device if tensors else torch.device("cpu")   # index_select's
+        rows = torch.tensor([before[i] for i in out_ids], dtype=torch.long, device=device)
         kept_ids = list(plan.parts[rank][:len(plan.parts[rank]) - sum(in_sizes)])
-        kept_rows = torch.tensor([before[i] for i in kept_ids], dtype=torch.long)
+        kept_rows = torch.tensor([before[i] for i in kept_ids], dtype=torch.long,
+                                 device=device)
         works, received = [], []
         for t in tensors:
             src = t.index_select(0, rows).contiguous()

@@ -15,7 +15,10 @@ planner and the pass agree by construction. On rank r of the tp group:
   (one group, not transposed) split the same way by channels: column = filter
   parallelism (output channels), row = channel parallelism (input channels, the partial
   sums all-reduced), a filter-split conv feeding a channel-split one through per-channel
-  ops (activations, pools) with no collective between them;
+  ops (activations, pools, BatchNorm) with no collective between them; a BatchNorm on
+  channel shards normalizes there (weight and bias split; in training a sync_batch_norm
+  whose statistics are gathered to update the whole running ones, in eval reading its
+  slice of them);
 - views, reshapes, expands and splits of split values get their local sizes;
 - the vocabulary-parallel embedding and cross-entropy (ops/vocab_parallel.py) replace
   embedding and the class loss, so the logits are never gathered for the loss;
@@ -46,7 +49,7 @@ from ..capture import _WRAPPER_PREFIX
 from ..cost.compute import grad_nodes
 from ..errors import PlanError
 from ..graph import (AH_PASS, AH_ROLE, VAL, fake_mode, module_path, new_node, op_name,
-                     output_node, refresh_fake, schema_args, source_line)
+                     output_node, propagate_fake, refresh_fake, schema_args, source_line)
 from ..program import ShardSpec
 from ..ops import tensor_parallel as tp_ops  # noqa: F401  (registers autohybrid::tp_*)
 from ..ops import dropout, vocab_parallel  # noqa: F401  (registers the ops they define)
@@ -54,6 +57,7 @@ from ..search.sharding import (R, TensorParallelLayout, _CLASS_LOSSES, _along, _
                                linear_parts, param_key, shard_dim)
 from ..search.tp_gradients import megatron_layout, sliced_operand
 from .manager import PassContext
+from .sync_batch_norm import replace_batch_norm, training_batch_norms
 
 aten = torch.ops.aten
 ah_ops = torch.ops.autohybrid
@@ -71,6 +75,8 @@ def tensor_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if tp == 1 or ctx.plan.mesh.spatial:   # spatial: the tp axis holds tiles (spatial_parallel)
         return gm
     layout = _plan_layout(gm, ctx)
+    if _sync_channel_norms(gm, layout):
+        layout = _plan_layout(gm, ctx)
     rewriter = _Rewriter(gm, layout, tp, ctx.coords[2])
     rewriter.run()
     ctx.notes["param_shards"] = rewriter.specs
@@ -98,6 +104,21 @@ def _plan_layout(gm: fx.GraphModule, ctx: PassContext) -> TensorParallelLayout:
         layout = megatron_layout(gm, {k: v for k, v in choices.items() if k not in undivided})
     _pad_as_in_training(gm, layout, ctx.padded_params)
     return layout
+
+
+def _sync_channel_norms(gm: fx.GraphModule, layout: TensorParallelLayout) -> bool:
+    """Training batch norms on channel shards become `sync_batch_norm` over "dp" (with
+    dp = 1: this rank's batch), whose per-channel statistics the rewrite gathers over tp
+    to update the whole running statistics, the same on every tp rank. (With dp > 1 the
+    sync_batch_norm pass has replaced them already.) Whether any was replaced."""
+    created = []
+    for node in training_batch_norms(gm):
+        if node.name in layout.channel_norms:
+            # (marked as the sync_batch_norm pass's nodes: the rewrite below still visits
+            # them, as it does that pass's with dp > 1)
+            created += replace_batch_norm(gm, node, "dp", "sync_batch_norm")
+    propagate_fake(gm, created)
+    return bool(created)
 
 
 def _pad_as_in_training(gm: fx.GraphModule, layout: TensorParallelLayout,
@@ -262,6 +283,9 @@ class _Rewriter:
         if role in ("column", "row"):
             self._linear(node, role)
             return
+        if node.name in self.layout.channel_norms:
+            self._channel_norm(node)
+            return
         if role == "replicate" or linear_parts(node) is not None:
             self._gather_inputs(node)
             self.fake(node)
@@ -291,6 +315,20 @@ class _Rewriter:
             self._local_sizes(node, out_dim)
         self.fake(node)
         self._track_padding(node)
+
+    def _channel_norm(self, node: fx.Node) -> None:
+        """A batch norm on this rank's channels: its weight and bias are shards already;
+        an eval-mode one reads its slice of the running statistics (a training one is a
+        sync_batch_norm, whose statistics outputs are split and gathered where used)."""
+        if op_name(node) == "aten.batch_norm.default":
+            args = list(node.args)
+            for i in (3, 4):   # running_mean, running_var
+                if isinstance(args[i], fx.Node) and self.sharded(args[i]) is None:
+                    with self.graph.inserting_before(node):
+                        args[i] = self.call(ah_ops.tp_split.default, (args[i], 0, AXIS),
+                                            like=node)
+            node.args = tuple(args)
+        self.fake(node)
 
     def _gather_inputs(self, node: fx.Node) -> None:
         for a in node.all_input_nodes:

@@ -133,6 +133,10 @@ _POOLS.update({f"aten.upsample_{kind}{d}d.{overload}": d
                for kind, ds in (("nearest", (1, 2, 3)), ("linear", (1,)), ("bilinear", (2,)),
                                 ("bicubic", (2,)), ("trilinear", (3,)))
                for d in ds for overload in ("vec", "default")})   # resizing, channel by channel
+#: Batch normalization, channel by channel: an input split by channels (dim 1) normalizes
+#: on its shard with its shard of the weight and bias (the statistics are per channel);
+#: autohybrid's sync_batch_norm (dp > 1) returns (out, mean, invstd, unbiased var)
+BATCH_NORMS = {"aten.batch_norm.default", "autohybrid.sync_batch_norm.default"}
 #: Reductions over listed dims: a shard on a dim they keep moves to its place
 _DIM_REDUCTIONS = {"aten.mean.dim", "aten.sum.dim_IntList", "aten.amax.default",
                    "aten.amin.default"}
@@ -240,6 +244,8 @@ class TensorParallelLayout:
     #: replicated node → (origin op, operand) of the partial gradient it would receive;
     #: empty for every layout megatron_layout returns (the proof holds)
     partial_grads: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: batch norms run on channel shards (their input split by channels)
+    channel_norms: set[str] = field(default_factory=set)
 
     def is_sharded(self, node: fx.Node) -> bool:
         return self.placements.get(node.name, R) != R
@@ -265,8 +271,8 @@ def _flows_to_consumer_that_shards(node: fx.Node, dim: int, blocks: tuple[int, .
                 continue
             seen.add(user)
             name = op_name(user)
-            if _is_check(user):
-                continue
+            if _is_check(user) or _is_norm_statistic(user):
+                continue   # (a norm's statistics update its running ones: no activation)
             parts = linear_parts(user)
             if parts is not None and parts.x is current:
                 return d == parts.feature_dim(_val(current)) and not b
@@ -288,7 +294,7 @@ def _follow(user: fx.Node, src: fx.Node, dim: int):
     """Where the shard dim of `src` lands in `user`'s output (None: user needs it whole)."""
     name = op_name(user)
     if user.target is operator.getitem:
-        return dim
+        return 0 if _is_norm_statistic(user) else dim
     if name in _VIEWS:
         return _view_dim(_val(src), _val(user), dim, user)
     if name in _TRANSPOSES:
@@ -331,6 +337,8 @@ def _follow(user: fx.Node, src: fx.Node, dim: int):
         if out is None:
             return None
         return dim + (out.dim() - _val(src).dim())
+    if name in BATCH_NORMS and user.args[0] is src:
+        return 1 if dim == 1 else None
     if name in _POOLS and user.args[0] is src:
         return dim if dim < _val(src).dim() - _POOLS[name] else None
     if name in _DIM_REDUCTIONS and user.args[0] is src:
@@ -575,6 +583,8 @@ def propagate_layout(gm: fx.GraphModule, choices: dict[str, str],
         ins = node.all_input_nodes  # lists too (cat, broadcast_tensors)
         if node.target is operator.getitem:
             place[node.name] = place.get(node.args[0].name, R)
+            if _is_norm_statistic(node) and place[node.name] != R:
+                place[node.name] = shard(0)   # a per-channel statistic of channel shards
             if node.args[0].name in layout.blocks:
                 layout.blocks[node.name] = layout.blocks[node.args[0].name]
             continue
@@ -602,6 +612,9 @@ def propagate_layout(gm: fx.GraphModule, choices: dict[str, str],
         if not sharded:
             place[node.name] = R
             continue
+        if name in BATCH_NORMS and _channel_split(node, layout):
+            _channel_norm(node, layout)
+            continue
         if name in _CLASS_LOSSES and not layout.blocks.get(node.args[0].name):
             place[node.name] = R  # vocabulary-parallel loss: per-token max, sum, target logit
             tokens = sympy.Mul(*[sym_expr(s) for s in _val(node.args[0]).shape[:-1]])
@@ -626,6 +639,32 @@ def propagate_layout(gm: fx.GraphModule, choices: dict[str, str],
                 layout.blocks[node.name] = moved[1]
     mark_key_value_projections(gm, layout)
     return layout
+
+
+def _is_norm_statistic(node: fx.Node) -> bool:
+    """getitem i ≥ 1 of a sync_batch_norm: a per-channel statistic, (C,)."""
+    return (node.target is operator.getitem and isinstance(node.args[0], fx.Node)
+            and op_name(node.args[0]) == "autohybrid.sync_batch_norm.default"
+            and node.args[1] >= 1)
+
+
+def _channel_split(node: fx.Node, layout: TensorParallelLayout) -> bool:
+    """A batch norm whose input is split by channels (dim 1), in one contiguous shard."""
+    x = node.args[0]
+    return (shard_dim(layout.placements.get(x.name, R)) == 1 and not layout.blocks.get(x.name)
+            and _val(x) is not None and _val(x).dim() >= 2)
+
+
+def _channel_norm(node: fx.Node, layout: TensorParallelLayout) -> None:
+    """Normalize on the channel shard: weight and bias split with it (the pass slices
+    the running statistics, or gathers the shard's batch statistics to update them)."""
+    layout.placements[node.name] = shard(1)
+    layout.channel_norms.add(node.name)
+    channels = int(_val(node.args[0]).shape[1])
+    for p in node.args[1:3]:
+        if isinstance(p, fx.Node) and p.meta.get(AH_ROLE) == "param":
+            layout.param_placements[param_key(p)] = shard(0)
+            layout.shard_sizes[param_key(p)] = channels
 
 
 def _attention(node: fx.Node, layout: TensorParallelLayout) -> tuple[int, tuple] | None:
