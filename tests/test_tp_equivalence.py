@@ -40,8 +40,8 @@ def _pinned(tp: int, sp: bool = False) -> ah.Constraints:
 
 # ============================================================================ the zoo
 def _zoo_rank(rank: int, world: int, tp: int, sp: bool, turn: int) -> list[str]:
-    """mlp, gpt, llama (4 heads, 2 KV heads), resnet (convolutions and BatchNorm stay
-    whole, its classifier is split), 3 steps each: AdamW, or SGD with gradient
+    """mlp, gpt, llama (4 heads, 2 KV heads), resnet (convolutions split by filters and
+    channels, BatchNorms on channel shards: tests/test_filter_channel.py), 3 steps each: AdamW, or SGD with gradient
     clipping, alternating along the models and from one layout (`turn`) to the next,
     so each model meets both; then the gathered forward output. At tp 4 llama-tiny only
     (its 2 KV heads each on 2 ranks): mlp and gpt at tp 4 + sp train in

@@ -579,9 +579,12 @@ def _alternatives(best: Candidate, candidates: list[Candidate]) -> tuple[Alterna
     # the candidates the passes rejected come first: why the plan is not the fastest
     refused = sorted((c for c in candidates if c.rejected is not None and c is not best),
                      key=_rank_key)
-    chosen = refused[:4]
-    chosen += sorted(faster, key=_rank_key)[:2]
-    chosen += sorted(others, key=lambda c: (not c.fits, _rank_key(c)))[:8 - len(chosen)]
+    # (a faster candidate that does not fit is often also the best of its shape: once)
+    chosen: list[Candidate] = []
+    for c in (refused[:4] + sorted(faster, key=_rank_key)[:2]
+              + sorted(others, key=lambda c: (not c.fits, _rank_key(c)))):
+        if len(chosen) < 8 and all(c is not d for d in chosen):
+            chosen.append(c)
     for c in chosen:
         p = c.priced.prediction
         if not c.fits:

@@ -17,6 +17,12 @@ and so do embeddings whose whole table the vocabulary-parallel embedding cannot 
 for (`scale_grad_by_freq=True`, `max_norm`: `whole_table_embeddings`), with every linear
 that shares their weight (a tied LM head); each tp rank then computes them as eager does.
 
+Convolutions (one group, not transposed) are linear-like with their features on dim 1:
+column = filters (weight dim 0), row = channels (weight dim 1). A channel shard passes
+through per-channel ops — activations, pools and resizes, reductions over other dims,
+and batch norms (their weight and bias split with it: `channel_norms`) — so a conv →
+BatchNorm → ReLU → conv pair splits as Megatron's MLP does.
+
 Generic linears: a linear-like op Megatron's rules leave replicated (its output does not
 reach a row linear, an attention or the loss) is an open decision — column-parallel, with
 whatever resharding its consumers then need, or replicated. `choose_layout` takes the
