@@ -3,29 +3,18 @@ not checked): the seven strategies autohybrid executes train the serial run's lo
 the oracle prices all eight, and the two orders are compared."""
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from _limits import guard
-
-ROOT = Path(__file__).resolve().parents[1]
+from _scripts import run_script
 
 
 @pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_cnn_strategies_quick():
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/cnn_strategies.py", "--steps", "2", "--warmup", "0",
-         "--size", "16", "--channels", "4,8", "--batch", "4"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=guard(230))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+    out = run_script("benchmarks/cnn_strategies.py", "--steps", "2", "--warmup", "0",
+                     "--size", "16", "--channels", "4,8", "--batch", "4", timeout_s=230)
     rows = dict(re.findall(r"^(serial|data×spatial|data×filter|data|spatial|filter|channel|"
                            r"pipeline)\s+(.*)$", out, re.M))
     assert len(rows) == 8, out

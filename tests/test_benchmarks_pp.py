@@ -4,9 +4,7 @@ benchmarks/runtime_overhead.py on one step. Both compare autohybrid with hand-wr
 torch.distributed.pipelining runs of the same model, whose losses must agree."""
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import pytest
 
 import autohybrid as ah
 from _limits import guard
+from _scripts import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -22,11 +21,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 @pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_pipeline_balance_quick():
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "benchmarks/pipeline_balance.py", "--quick"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=guard(110))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+    out = run_script("benchmarks/pipeline_balance.py", "--quick", timeout_s=110)
     assert re.search(r"boundaries: autohybrid \['model\.[\w.]+'\] .* pipeline\(\) equal "
                      r"\['model\.blocks\.2'\]", out), out
     diff = float(re.search(r"max \|difference\| over 3 steps ([\d.e+-]+)", out).group(1))

@@ -1,28 +1,17 @@
 """The examples run, on tiny configurations, as a user would run them."""
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from _limits import guard
-
-ROOT = Path(__file__).resolve().parents[1]
+from _scripts import run_script
 
 
 @pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_demo_trains_and_matches_eager():
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "examples/demo.py", "--steps", "3", "--world-size", "2",
-         "--layers", "1", "--hidden", "32", "--batch", "4"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=guard(230))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+    out = run_script("examples/demo.py", "--steps", "3", "--world-size", "2", "--layers",
+                     "1", "--hidden", "32", "--batch", "4", timeout_s=230)
     assert "mesh            pp1×dp2×tp1" in out
     assert "all 2 ranks report the same loss: True" in out
     rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.e+-]+)", out, re.M)
@@ -39,13 +28,8 @@ def test_demo_trains_and_matches_eager():
 def test_cnn_spatial_example_tiles_under_its_memory_limit_and_matches_eager():
     """examples/cnn_spatial.py: below the memory every untiled plan needs, the planner
     tiles the volumes, and the compiled losses and parameters are eager's."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "examples/cnn_spatial.py", "--steps", "2", "--size", "24",
-         "--channels", "4,8,8"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=guard(230))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+    out = run_script("examples/cnn_spatial.py", "--steps", "2", "--size", "24",
+                     "--channels", "4,8,8", timeout_s=230)
     assert re.search(r"no plan without tiles fits: the ranks get that limit", out), out
     mesh = re.search(r"^mesh (\S+); largest parameter difference from eager after 2 steps: "
                      r"([\d.e+-]+)", out, re.M)

@@ -32,7 +32,7 @@ from ..capture import _dim_roles
 from ..cost.compute import grad_nodes
 from ..graph import AH_PASS, AH_ROLE, VAL, fake_mode, new_node, op_name, output_node, refresh_fake
 from ..ops import dropout, tensor_parallel  # noqa: F401  (registers the ops)
-from ..search.sharding import _ELEMENTWISE_PREFIXES, _follow
+from ..search.sharding import _ELEMENTWISE_PREFIXES, _follow, reduced_dim
 from .manager import PassContext
 
 aten = torch.ops.aten
@@ -154,15 +154,7 @@ class _SequenceRewriter:
         if name in _NORMS:
             return d if d < src.meta[VAL].dim() - len(node.args[1]) else None
         if name in _REDUCTIONS:
-            rank = src.meta[VAL].dim()
-            dims = node.args[1] if len(node.args) > 1 else None
-            if not dims:
-                return None
-            dims = [x % rank for x in (dims if isinstance(dims, (list, tuple)) else [dims])]
-            keep = len(node.args) > 2 and node.args[2]
-            if d in dims:
-                return None
-            return d if keep else d - sum(1 for x in dims if x < d)
+            return reduced_dim(node, src.meta[VAL].dim(), d)
         moved = _follow(node, src, d)
         return moved if isinstance(moved, int) and moved == self.seq_dim(node) else None
 

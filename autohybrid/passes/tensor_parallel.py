@@ -54,7 +54,7 @@ from ..program import ShardSpec
 from ..ops import tensor_parallel as tp_ops  # noqa: F401  (registers autohybrid::tp_*)
 from ..ops import dropout, vocab_parallel  # noqa: F401  (registers the ops they define)
 from ..search.sharding import (R, TensorParallelLayout, _CLASS_LOSSES, _along, _slice_range,
-                               linear_parts, param_key, shard_dim)
+                               linear_parts, mark_vocab_linear, param_key, shard_dim)
 from ..search.tp_gradients import megatron_layout, sliced_operand
 from .manager import PassContext
 from .sync_batch_norm import replace_batch_norm, training_batch_norms
@@ -131,11 +131,7 @@ def _pad_as_in_training(gm: fx.GraphModule, layout: TensorParallelLayout,
         if parts is None or param_key(parts.weight) not in padded \
                 or layout.linear_roles.get(node.name) != "column":
             continue
-        layout.vocab_linears.add(node.name)
-        layout.vocab_params.add(param_key(parts.weight))
-        layout.vocab = int(parts.weight.meta[VAL].shape[parts.column_dim])
-        if parts.bias is not None:
-            layout.vocab_params.add(param_key(parts.bias))
+        mark_vocab_linear(layout, node, parts)
 
 
 class _Rewriter:

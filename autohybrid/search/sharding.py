@@ -348,11 +348,11 @@ def _follow(user: fx.Node, src: fx.Node, dim: int):
     if name in _POOLS and user.args[0] is src:
         return dim if dim < _val(src).dim() - _POOLS[name] else None
     if name in _DIM_REDUCTIONS and user.args[0] is src:
-        return _reduced_dim(user, _val(src).dim(), dim)
+        return reduced_dim(user, _val(src).dim(), dim)
     return None
 
 
-def _reduced_dim(user: fx.Node, rank: int, dim: int) -> int | None:
+def reduced_dim(user: fx.Node, rank: int, dim: int) -> int | None:
     """Where dim `dim` lands in a reduction's output (None: it is reduced)."""
     values = schema_args(user)
     dims = values.get("dim")
@@ -720,6 +720,15 @@ def _mark_vocab(layout: TensorParallelLayout, weight: fx.Node, dim: int) -> None
     layout.vocab = int(_val(weight).shape[dim])
 
 
+def mark_vocab_linear(layout: TensorParallelLayout, node: fx.Node, parts: LinearParts) -> None:
+    """Column linear `node` computes logits over a vocabulary: weight and bias split by
+    vocabulary rows, padded to a multiple of tp."""
+    layout.vocab_linears.add(node.name)
+    _mark_vocab(layout, parts.weight, parts.column_dim)
+    if parts.bias is not None:
+        layout.vocab_params.add(param_key(parts.bias))
+
+
 def _mark_vocab_head(layout: TensorParallelLayout, logits: fx.Node, budget: int = 16) -> None:
     """The column linear producing the logits a vocabulary-parallel loss reads."""
     frontier = [logits]
@@ -731,10 +740,7 @@ def _mark_vocab_head(layout: TensorParallelLayout, logits: fx.Node, budget: int 
         parts = linear_parts(node)
         if parts is not None:
             if layout.linear_roles.get(node.name) == "column":
-                layout.vocab_linears.add(node.name)
-                _mark_vocab(layout, parts.weight, parts.column_dim)
-                if parts.bias is not None:
-                    layout.vocab_params.add(param_key(parts.bias))
+                mark_vocab_linear(layout, node, parts)
             continue
         frontier.extend(a for a in node.all_input_nodes if shard_dim(
             layout.placements.get(a.name, R)) is not None)
