@@ -33,6 +33,7 @@ from . import capture_cache, capture_wire
 from .capture_blocks import export_by_blocks
 from .errors import CaptureError
 from .graph import AH_BUFFER, AH_PARAM, AH_ROLE, VAL, graph_hash, verify
+from .sample_stats import StatsLoss
 
 _WRAPPER_PREFIX = "model."
 _TARGET_KWARGS = ("labels", "targets", "target", "y")
@@ -128,25 +129,32 @@ def target_kwarg(model: nn.Module) -> str | None:
 
 
 class _WithLoss(nn.Module):
-    """model + loss_fn as one module: forward(*inputs, *targets) -> scalar loss."""
+    """model + loss_fn as one module: forward(*inputs, *targets) -> scalar loss; with a
+    `StatsLoss` (sample_stats.py), -> (loss, per-sample statistics)."""
 
     def __init__(self, model: nn.Module, loss_fn: Callable | None, num_inputs: int):
         super().__init__()
         self.model = model
-        self.loss_fn = loss_fn
+        self.stats = loss_fn if isinstance(loss_fn, StatsLoss) else None
+        self.loss_fn = loss_fn.loss_fn if self.stats is not None else loss_fn
         self.num_inputs = num_inputs
         self.target_kwarg = target_kwarg(model)
 
-    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+    def forward(self, *args: torch.Tensor) -> Any:
         inputs, targets = args[: self.num_inputs], args[self.num_inputs:]
         target = targets[0] if len(targets) == 1 else tuple(targets)
         if self.loss_fn is not None:
-            return self.loss_fn(self.model(*inputs), target)
-        if self.target_kwarg is not None:
-            out = self.model(*inputs, **{self.target_kwarg: target})
+            out = self.model(*inputs)
+            loss = self.loss_fn(out, target)
         else:
-            out = self.model(*inputs, *targets)
-        return _extract_loss(out)
+            if self.target_kwarg is not None:
+                out = self.model(*inputs, **{self.target_kwarg: target})
+            else:
+                out = self.model(*inputs, *targets)
+            loss = _extract_loss(out)
+        if self.stats is None:
+            return loss
+        return loss, self.stats.stats(out, target)
 
 
 class _ForwardOnly(nn.Module):

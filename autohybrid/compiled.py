@@ -28,9 +28,11 @@ import torch.nn as nn
 from .ops import groups as ops_groups
 from .blame import StepFailure
 from .capture import CapturedGraph, _WithLoss, as_tuple, capture
+from .sample_stats import StatsLoss
 from .checks import build_optimizer
 from .cluster import Cluster
-from .errors import AutohybridError, CaptureError, InputError, RuntimeFailure
+from .errors import (AutohybridError, CaptureError, InputError, RuntimeFailure,
+                     TrainingArgumentError)
 from .plan import Constraints, NodeSharding, Plan
 from .planning import (check_plan_fits_model, make_plan, optimizer_kind,
                        refuse_split_batch_norm)
@@ -38,6 +40,7 @@ from .program import RankProgram
 from .rewrite import rewrite
 from .runtime import gathered
 from .runtime.executor import Executor, check_same_plan
+from .data.fit import fit_data
 from .runtime.fit import FitResult, build_scheduler, fit
 from .runtime.failures import record_step
 from .runtime.capture_share import capture_once
@@ -123,6 +126,12 @@ class CompiledModel:
         self.example_inputs = tuple(t.to(self.device) for t in example_inputs)
         self._forward_captures: dict[bool, CapturedGraph] = {}
         self._train: CapturedGraph | None = None
+        #: per-sample statistics in the training graph (record_sample_stats), the last
+        #: step's (N, 3) or None
+        self._stats, self._stats_fn = False, None
+        self._loss_in_use = loss_fn          # use_loss
+        self._train_stale = False   # _train was captured with another loss than _train_loss
+        self.last_sample_stats: torch.Tensor | None = None
         self.sharded: ShardedParameters | None = None  # this rank's shards (tp > 1)
         self._owned: set[str] | None = None  # parameters of this rank's stages (pp > 1)
         self.zero: ZeroShards | None = None  # this rank's dp shards (ZeRO ≥ 1, dp > 1)
@@ -169,7 +178,7 @@ class CompiledModel:
                 self._forward_captures[model.training] = named
             return named
         targets = tuple(t.to(self.device) for t in as_tuple(example_targets))
-        self._train = capture_once(model, inputs, self.loss_fn, targets, autocast=autocast)
+        self._train = capture_once(model, inputs, self._train_loss, targets, autocast=autocast)
         return (self._train if autocast is None
                 else capture_once(model, inputs, self.loss_fn, targets))
 
@@ -432,8 +441,9 @@ class CompiledModel:
         ops_groups.restore(self._groups)
         inputs = self._inputs(inputs, "inputs", len(self.example_inputs))
         targets = self._inputs(targets, "targets", None)
-        self._check_batch(self._train, (*inputs, *targets), local)
-        if self._train is None:
+        self._check_batch(None if self._train_stale else self._train, (*inputs, *targets),
+                          local)   # a stale graph: checked once captured again
+        if self._train is None or self._train_stale:
             if not targets and self.loss_fn is not None:
                 raise AutohybridError("train_step needs targets when a loss_fn is given")
             # Capture from this rank's first microbatch of the real batch (inputs and
@@ -441,8 +451,9 @@ class CompiledModel:
             shard = self.executor.local_slice if not local else (lambda ts, w: list(ts))
             first = [self.executor.microbatches(shard(ts, what), what)[0]
                      for ts, what in ((inputs, "inputs"), (targets, "targets"))]
-            self._train = self._capture(tuple(first[0]), self.loss_fn, tuple(first[1]),
+            self._train = self._capture(tuple(first[0]), self._train_loss, tuple(first[1]),
                                         autocast=self.autocast, collective=True)
+            self._train_stale = False
             self._rewrite("train", self._train)
         if len(targets) != self._train.num_targets:
             raise AutohybridError(f"targets: expected {self._train.num_targets} tensor(s), got "
@@ -454,7 +465,48 @@ class CompiledModel:
         result = self.executor.forward_backward(train.runnable, train.loss_kind, inputs,
                                                 targets, local, self._runner("train"))
         self.found_inf = result.found_inf
+        self.last_sample_stats = result.stats
         return result.loss
+
+    @property
+    def _train_loss(self) -> Any:
+        """What the training graph is captured with: the loss function in use
+        (use_loss), with per-sample statistics when asked for (record_sample_stats)."""
+        loss = self._loss_in_use
+        return StatsLoss(loss, self._stats_fn) if self._stats else loss
+
+    def record_sample_stats(self, stats_fn: Callable | None = None, *,
+                            enabled: bool = True) -> None:
+        """From the next train_step on, the training graph also computes every sample's
+        loss, correctness and target-class probability in its forward pass
+        (autohybrid/sample_stats.py: a classifier's by default, or `stats_fn(logits,
+        targets) -> (loss, correct, prob)`), and `last_sample_stats` holds them after
+        each step: an (N, 3) float tensor over the global batch, in its order (with
+        `local=True`, the dp ranks' batches one after another), on every rank.
+        `enabled=False` stops. Every rank calls it at the same point."""
+        wanted = (bool(enabled), stats_fn if enabled else None)
+        if wanted != (self._stats, self._stats_fn):
+            self._stats, self._stats_fn = wanted
+            self._train_loss_changed()
+
+    def use_loss(self, loss_fn: Callable | None) -> None:
+        """Train with `loss_fn` from the next train_step on (None: the one compiled
+        with), e.g. sample_stats.DistillLoss, whose targets pack the teacher's logits.
+        The plan stays; every rank calls it at the same point."""
+        loss = self.loss_fn if loss_fn is None else loss_fn
+        if loss is not self._loss_in_use:
+            self._loss_in_use = loss
+            self._train_loss_changed()
+
+    def _train_loss_changed(self) -> None:
+        """The training graph is captured again at the next step, from its batch; the
+        old one still says what the shards are (load) until then."""
+        self.last_sample_stats = None
+        if self._train is not None:
+            self._train_stale = True
+            for cache in (self.programs, self.graphs, self._runners):
+                cache.pop("train", None)
+            self._pretuned.discard("train")
 
     def _pretune(self, kind: str, program: Any, batch: tuple, local: bool) -> None:
         """Before a program's first run (and its collectives): tune its fused kernels at
@@ -550,7 +602,7 @@ class CompiledModel:
 
         def eager_loss(ref: nn.Module) -> torch.Tensor:  # what the train graph captured
             with self._train.autocast_context(xs):
-                return _WithLoss(ref, self.loss_fn, len(xs))(*xs, *ys)
+                return _WithLoss(ref, self._loss_in_use, len(xs))(*xs, *ys)
 
         self._check.verify(loss, self.full_grads(), eager_loss, rng)
         return self._step(loss, max_grad_norm)
@@ -573,10 +625,32 @@ class CompiledModel:
     def fit(self, loader: Any, *, steps: int | None = None, epochs: int | None = None,
             save_every: int | None = None, save_dir: Any = None, resume: bool = False,
             keep_last: int | None = None, max_grad_norm: float | None = None,
-            log_every: int | None = 10) -> FitResult:
+            log_every: int | None = 10, sampler: Any = None, shuffle: Any = None,
+            distill: Any = None, batch_size: int | None = None,
+            stats_fn: Callable | None = None) -> FitResult:
         """Train on `loader`'s (inputs, targets) batches until `self.step` reaches
         `steps` or `epochs` epochs are done, checkpointing under `save_dir` (every rank
-        calls it; runtime/fit.py)."""
+        calls it; runtime/fit.py).
+
+        With `sampler=ah.data.HidingSampler(...)`, `shuffle=ah.data.PartialShuffle(...)`
+        and/or `distill=ah.data.Distillation(...)`, `loader` is the dataset (a map-style
+        dataset or a tuple (inputs, targets) of tensors), `epochs` is required,
+        `batch_size` is the global batch (the sampler's by default), `stats_fn` computes
+        the per-sample statistics (record_sample_stats) and `save_every` counts epochs
+        (data/fit.py)."""
+        if sampler is not None or shuffle is not None or distill is not None:
+            if steps is not None:
+                raise TrainingArgumentError(
+                    "fit(sampler=/shuffle=): hiding and shuffling work epoch by epoch: give "
+                    "epochs=, not steps=")
+            return fit_data(self, loader, epochs=epochs, sampler=sampler, shuffle=shuffle,
+                            distill=distill, batch_size=batch_size, stats_fn=stats_fn, save_every=save_every,
+                            save_dir=save_dir, resume=resume, keep_last=keep_last,
+                            max_grad_norm=max_grad_norm, log_every=log_every)
+        if batch_size is not None or stats_fn is not None:
+            raise TrainingArgumentError(
+                "fit: batch_size= and stats_fn= go with sampler=, shuffle= or distill= (a "
+                "loader brings its own batches)")
         return fit(self, loader, steps=steps, epochs=epochs, save_every=save_every,
                    save_dir=save_dir, resume=resume, keep_last=keep_last,
                    max_grad_norm=max_grad_norm, log_every=log_every)

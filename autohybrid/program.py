@@ -162,6 +162,8 @@ class RankProgram:
     loss_kind: str | None = None
     #: the index of the loss among the graph's outputs (None: a forward graph)
     loss_output_index: int | None = None
+    #: the index of the per-sample statistics among them (sample_stats.py; None: none)
+    stats_output_index: int | None = None
     #: the stages (pipeline_split; None without pipeline parallelism)
     pipeline: PipelineSplit | None = None
     #: canonical name → this rank's ShardSpec of each parameter tp splits

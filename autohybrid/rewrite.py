@@ -27,6 +27,7 @@ from .program import RankProgram
 #: The notes the passes leave (passes/*.py) → the RankProgram field each becomes.
 NOTE_FIELDS = {
     "loss_kind": "loss_kind", "loss_output_index": "loss_output_index",
+    "stats_output_index": "stats_output_index",
     "pipeline": "pipeline", "param_shards": "param_shards", "tp_layout": "tp_layout",
     "fusion": "fused_regions", "zero_gathers": "zero_gathers",
     "overlap_moved": "overlap_moved", "overlap_split": "overlap_split",
@@ -60,6 +61,8 @@ def rewrite(captured: CapturedGraph, plan: Plan, rank: int, *, example_inputs: t
                           padded_params=padded_params)
         if captured.with_loss:
             ctx.notes["loss_output_index"] = captured.user_outputs[0]
+            if len(captured.user_outputs) == 2:   # (loss, per-sample statistics)
+                ctx.notes["stats_output_index"] = captured.user_outputs[1]
         with captured.autocast_context(example_inputs):
             passes = [(name, fn) for name, fn in passes_for(kind) if name not in skip]
             gm = run_passes(captured.gm, ctx, passes, known=ORDER)

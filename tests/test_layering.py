@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                     "device_facts", "cluster", "features")),
     ("models", ("models",)),
     ("capture", ("capture", "capture_cache", "capture_blocks", "capture_probe",
-                 "capture_splice", "capture_wire", "batch_spec")),
+                 "capture_splice", "capture_wire", "batch_spec", "sample_stats")),
     ("cost", ("cost",)),
     ("search", ("search",)),
     ("codegen", ("codegen",)),

@@ -34,40 +34,12 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import TrainingArgumentError
+from ..sample_stats import sample_stats  # noqa: F401  (ah.data.sample_stats)
 
 #: F_e relative to F after each learning-rate milestone (KAKURENBO's schedule)
 DECAY = (1.0, 0.8, 0.6, 0.4)
-
-
-def sample_stats(logits: torch.Tensor, targets: torch.Tensor, *,
-                 ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sample (loss, correct, target probability) of a classifier's output.
-
-    `logits` (N, C) with `targets` (N,): the cross-entropy, argmax == target, and the
-    softmax probability of the target. `logits` (N, T, V) with `targets` (N, T) (a
-    language model): per sequence over its tokens that are not `ignore_index` — the mean
-    token cross-entropy, correct when every such token is predicted, and the geometric
-    mean of the target-token probabilities, exp(−loss). A sequence with no such token
-    has loss 0, is correct and has probability 1 (it teaches nothing)."""
-    logits = logits.detach().float()
-    if logits.dim() == 2 and targets.dim() == 1:
-        loss = F.cross_entropy(logits, targets, reduction="none")
-        prob = logits.softmax(-1).gather(1, targets[:, None]).squeeze(1)
-        return loss, logits.argmax(-1) == targets, prob
-    if logits.dim() == 3 and targets.dim() == 2 and logits.shape[:2] == targets.shape:
-        valid = targets != ignore_index
-        safe = targets.masked_fill(~valid, 0)
-        token = F.cross_entropy(logits.transpose(1, 2), safe, reduction="none") * valid
-        count = valid.sum(1)
-        loss = token.sum(1) / count.clamp(min=1)
-        correct = ((logits.argmax(-1) == safe) | ~valid).all(1)
-        return loss, correct, torch.exp(-loss)
-    raise TrainingArgumentError(
-        f"sample_stats: logits {tuple(logits.shape)} and targets {tuple(targets.shape)}: "
-        "give (N, C) logits with (N,) class targets, or (N, T, V) with (N, T) token targets")
 
 
 class HidingSampler:

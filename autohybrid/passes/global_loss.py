@@ -36,7 +36,7 @@ from ..errors import PlanError
 from ..graph import (AH_PASS, AH_ROLE, VAL, op_name, output_node, placeholders, schema_args,
                      propagate_fake, source_line)
 from .batch_effects import describe, split_batch_effect
-from .batch_flow import REP, UNKNOWN, BatchFlow, Flow
+from .batch_flow import REP, SPLIT, UNKNOWN, BatchFlow, Flow
 from .manager import PassContext
 
 aten = torch.ops.aten
@@ -63,13 +63,15 @@ def global_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     outputs = list(out.args[0])
     index = ctx.notes.get("loss_output_index", len(outputs) - 1)
     loss = outputs[index]
+    stats = ctx.notes.get("stats_output_index")   # per-sample statistics (sample_stats.py)
+    per_sample = outputs[stats] if stats is not None else None
     reduction = _find_reduction(loss)
     mixed = reduction is not None and not _has_batch_dim(reduction.args[0], _batch_symbols(gm))
     graph = gm.graph
     created: list[fx.Node] = []
     shards = ctx.plan.mesh.dp * ctx.plan.num_microbatches
     if shards > 1 and reduction is not None and not mixed:
-        _refuse_sample_mixing(gm, loss, reduction, shards)
+        _refuse_sample_mixing(gm, loss, reduction, shards, per_sample)
     if reduction is None or mixed:
         kind, denominator = "opaque", None
     else:
@@ -102,7 +104,7 @@ def global_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def _refuse_sample_mixing(gm: fx.GraphModule, loss: fx.Node, reduction: fx.Node,
-                          shards: int) -> None:
+                          shards: int, per_sample: fx.Node | None = None) -> None:
     """PlanError unless every value the loss's final reduction reads is per-sample.
 
     Shards add up to the whole batch's loss only if each sample's contribution depends
@@ -118,7 +120,7 @@ def _refuse_sample_mixing(gm: fx.GraphModule, loss: fx.Node, reduction: fx.Node,
     effect = split_batch_effect(gm, flows)
     if effect is not None:
         raise PlanError(describe(effect, shards))
-    problem = sample_mixing(gm, loss, reduction, flows)
+    problem = sample_mixing(gm, loss, reduction, flows, per_sample)
     if problem is None:
         return
     node, why = problem
@@ -137,9 +139,12 @@ def _flows(gm: fx.GraphModule) -> BatchFlow:
 
 
 def sample_mixing(gm: fx.GraphModule, loss: fx.Node, reduction: fx.Node,
-                  flows: BatchFlow | None = None) -> tuple[fx.Node, str] | None:
+                  flows: BatchFlow | None = None, per_sample: fx.Node | None = None
+                  ) -> tuple[fx.Node, str] | None:
     """(node, why) where per-sample dataflow into the loss's final `reduction` (or into
-    a buffer's new value) is not proven, else None."""
+    a buffer's new value, or into another output) is not proven, else None. The output
+    `per_sample` (per-sample statistics) must be one row per sample along dim 0, in
+    batch order: the shards' rows, joined, are the whole batch's."""
     flows = flows or _flows(gm)
     name = op_name(reduction)
     if name in _ELEMENTWISE_LOSSES or name in _CLASS_LOSSES:
@@ -161,6 +166,12 @@ def sample_mixing(gm: fx.GraphModule, loss: fx.Node, reduction: fx.Node,
         if isinstance(value, fx.Node) and value.op != "placeholder" and \
                 isinstance(value.meta.get(VAL), torch.Tensor) and value is not loss:
             f = flows.flow(value)
+            if value is per_sample and f.kind == SPLIT and f.dim == 0 and f.outer == 1 \
+                    and f.ptr is None:
+                continue
+            if value is per_sample and f.kind != UNKNOWN:
+                return value, ("the per-sample statistics it outputs are not one row per "
+                               "sample in batch order")
             if f.kind != REP:
                 return (f.culprit if f.kind == UNKNOWN else value), (
                     f.why if f.kind == UNKNOWN else

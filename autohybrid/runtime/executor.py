@@ -53,6 +53,9 @@ class StepResult:
     numerator: torch.Tensor
     denominator: torch.Tensor
     found_inf: bool = False
+    #: per-sample statistics (sample_stats.py) of the whole batch, in batch order, on
+    #: every rank: when the program computes them, else None
+    stats: torch.Tensor | None = None
 
 
 class Executor:
@@ -128,13 +131,17 @@ class Executor:
                 numerator, denominator = pipeline.forward_backward(inputs, targets, loss_scale)
             finally:
                 pipeline.grad_listener = None
+            stats = pipeline.sample_stats((inputs or targets)[0].shape[0])
             # the rest (all, with overlap off or while counting): this rank's gradients
             # are complete; sum them over dp while the pp ranks still in the schedule's
             # cool-down finish theirs
             self.reducer.schedule_done()
         else:
-            numerator, denominator = self._microbatch_loop(program, inputs, targets, loss_scale)
+            numerator, denominator, stats = self._microbatch_loop(program, inputs, targets,
+                                                                  loss_scale)
         self.last_backward_end = time.perf_counter()
+        if stats is not None:
+            stats = self._gather_stats(stats)
         totals = torch.stack([numerator.double(), denominator.double()])
         if pipeline is not None and pipeline.pp_group is not None:
             dist.all_reduce(totals, group=pipeline.pp_group)  # from the last stage
@@ -159,7 +166,17 @@ class Executor:
             holders = self.zero.optimizer_params() if self.zero is not None else self.params
             found_inf = any_nonfinite(p.grad for p in holders)
         return StepResult(loss=loss.to(dtype), numerator=numerator, denominator=denominator,
-                          found_inf=found_inf)
+                          found_inf=found_inf, stats=stats)
+
+    def _gather_stats(self, stats: torch.Tensor) -> torch.Tensor:
+        """This rank's per-sample statistics joined with the other dp ranks', in the
+        order of the global batch (with `local`, the ranks' batches one after another)."""
+        if self.dp_group is None or self.dp == 1:
+            return stats
+        mine = torch.tensor([stats.shape[0]], dtype=torch.long, device=stats.device)
+        every = mine.new_empty(self.dp)
+        all_gather_single(every, mine, group=self.dp_group)   # shards of unequal sizes
+        return gather_batch(stats, every.tolist(), self.dp_group)
 
     def _global_count(self, tensors: Sequence[torch.Tensor], local: bool,
                       loss_kind: str) -> float:
@@ -177,19 +194,25 @@ class Executor:
 
     def _microbatch_loop(self, program: CapturedGraph, inputs: Sequence[torch.Tensor],
                          targets: Sequence[torch.Tensor], loss_scale: float | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Forward and backward of each microbatch in turn; the dp reducer is armed for
-        the last backward, so gradient buckets are summed while it runs."""
+        the last backward, so gradient buckets are summed while it runs. Returns the
+        summed numerators and denominators, and the microbatches' per-sample statistics
+        joined (None when the program has none)."""
         micro_in = self.microbatches(inputs, "inputs")
         micro_tg = self.microbatches(targets, "targets")
         numerator = denominator = None
+        stats: list[torch.Tensor] = []
         count = len(micro_in)
         stage = self.zero_stage
         for m, (mb_in, mb_tg) in enumerate(zip(micro_in, micro_tg)):
             if m == count - 1 or stage == 2:
                 self.reducer.prepare()
             with release_gathered(stage == 3):
-                num, den = program.run(self.state, mb_in, mb_tg)
+                outs = program.run(self.state, mb_in, mb_tg)
+            num, den = outs[0], outs[-1]
+            if len(outs) == 3:   # (numerator, per-sample statistics, denominator)
+                stats.append(outs[1].detach())
             (num if loss_scale is None else num * loss_scale).backward()
             if stage == 2 and m < count - 1:
                 self.reducer.collect()
@@ -197,7 +220,7 @@ class Executor:
                 hook(m)
             numerator = num.detach() if numerator is None else numerator + num.detach()
             denominator = den.detach() if denominator is None else denominator + den.detach()
-        return numerator, denominator
+        return numerator, denominator, torch.cat(stats) if stats else None
 
     # ------------------------------------------------------------------ forward only
     def forward(self, program: CapturedGraph, inputs: Sequence[torch.Tensor],

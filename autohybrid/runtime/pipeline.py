@@ -227,6 +227,11 @@ class PipelineRunner:
         self._denominators: list[torch.Tensor] = []
         self._loss_scale: float | None = None
         self._outputs = (program.user_outputs[0], program.user_outputs[-1])
+        #: the graph output of per-sample statistics (sample_stats.py), if it has one,
+        #: and each microbatch's, on the last stage, in microbatch order
+        self._stats_output = (program.user_outputs[1] if len(program.user_outputs) == 3
+                              else None)
+        self._stats: list[torch.Tensor] = []
         #: dtype of the loss the last stage computes (known on every rank)
         self.loss_dtype = split.stages[last].sent_vals[self._outputs[0]].dtype
         #: backward steps (full, input- or weight-gradient) run in the current step
@@ -249,6 +254,8 @@ class PipelineRunner:
     # ------------------------------------------------------------------ schedules
     def _loss(self, output: tuple, target: Any) -> torch.Tensor:
         numerator, denominator = (output[i] for i in self._outputs)
+        if self._stats_output is not None:
+            self._stats.append(output[self._stats_output].detach())
         self._numerators.append(numerator.detach())
         self._denominators.append(denominator.detach())
         return numerator if self._loss_scale is None else numerator * self._loss_scale
@@ -298,7 +305,7 @@ class PipelineRunner:
         batch = [*inputs, *targets]
         micro = self._microbatches(batch)
         schedule = self._schedule(micro)
-        self._numerators, self._denominators = [], []
+        self._numerators, self._denominators, self._stats = [], [], []
         self._loss_scale = loss_scale
         self.backward_done = 0
         kwargs = {f"b{j}": t for j, t in enumerate(batch)}
@@ -310,6 +317,20 @@ class PipelineRunner:
         else:
             numerator = denominator = torch.zeros((), dtype=torch.float64, device=self.device)
         return numerator, denominator
+
+    def sample_stats(self, batch: int) -> torch.Tensor | None:
+        """The per-sample statistics of this rank's last step (its `batch` samples), from
+        the last stage's rank to every rank of the pp group; None without them."""
+        if self._stats_output is None:
+            return None
+        if self.has_last:
+            stats = torch.cat(self._stats).contiguous()
+        else:
+            stats = torch.empty((batch, 3), dtype=torch.float32, device=self.device)
+        if self.pp_group is not None:
+            last = self.plan.stage_ranks()[self.plan.num_stages - 1]
+            dist.broadcast(stats, group=self.pp_group, group_src=last)
+        return stats
 
     def forward(self, inputs: Sequence[torch.Tensor]) -> Any:
         """Forward only, the whole batch at once: each stage in turn on its rank (the
