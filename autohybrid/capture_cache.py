@@ -56,7 +56,7 @@ import torch
 import torch.nn as nn
 
 from .errors import CaptureError
-from .sample_stats import DistillLoss, StatsLoss
+from .sample_stats import RemedyLoss, StatsLoss
 
 MAX_ENTRIES = 16          # graphs kept per process (least recently used dropped first)
 #: environment variable: how many graphs a process keeps instead (a test suite that
@@ -235,8 +235,8 @@ class _Walker:
         if isinstance(fn, StatsLoss):   # a loss with per-sample statistics: its functions
             return ("stats", self.callable(fn.loss_fn, depth),
                     self.callable(fn.stats_fn, depth))
-        if isinstance(fn, DistillLoss):
-            return ("distill", fn.gamma, fn.temperature)
+        if isinstance(fn, RemedyLoss):
+            return ("remedy", fn.gamma, fn.temperature, fn.weighted)
         if not isinstance(fn, types.FunctionType):
             if isinstance(fn, (types.BuiltinFunctionType, type)) or \
                     getattr(fn, "__module__", "").startswith("torch"):

@@ -491,10 +491,10 @@ class CompiledModel:
 
     def use_loss(self, loss_fn: Callable | None) -> None:
         """Train with `loss_fn` from the next train_step on (None: the one compiled
-        with), e.g. sample_stats.DistillLoss, whose targets pack the teacher's logits.
-        The plan stays; every rank calls it at the same point."""
+        with), e.g. sample_stats.RemedyLoss, whose targets pack a teacher's logits and
+        weights. The plan stays; every rank calls it at the same point."""
         loss = self.loss_fn if loss_fn is None else loss_fn
-        if loss is not self._loss_in_use:
+        if loss != self._loss_in_use:   # RemedyLoss compares by value, functions by identity
             self._loss_in_use = loss
             self._train_loss_changed()
 
@@ -626,26 +626,27 @@ class CompiledModel:
             save_every: int | None = None, save_dir: Any = None, resume: bool = False,
             keep_last: int | None = None, max_grad_norm: float | None = None,
             log_every: int | None = 10, sampler: Any = None, shuffle: Any = None,
-            distill: Any = None, batch_size: int | None = None,
+            distill: Any = None, impact: Any = None, batch_size: int | None = None,
             stats_fn: Callable | None = None) -> FitResult:
         """Train on `loader`'s (inputs, targets) batches until `self.step` reaches
         `steps` or `epochs` epochs are done, checkpointing under `save_dir` (every rank
         calls it; runtime/fit.py).
 
-        With `sampler=ah.data.HidingSampler(...)`, `shuffle=ah.data.PartialShuffle(...)`
-        and/or `distill=ah.data.Distillation(...)`, `loader` is the dataset (a map-style
-        dataset or a tuple (inputs, targets) of tensors), `epochs` is required,
-        `batch_size` is the global batch (the sampler's by default), `stats_fn` computes
-        the per-sample statistics (record_sample_stats) and `save_every` counts epochs
-        (data/fit.py)."""
-        if sampler is not None or shuffle is not None or distill is not None:
+        With `sampler=ah.data.HidingSampler(...)`, `shuffle=ah.data.PartialShuffle(...)`,
+        `distill=ah.data.Distillation(...)` and/or `impact=ah.data.ImpactFactors(...)`
+        (data/remedies.py), `loader` is the dataset (a map-style dataset or a tuple
+        (inputs, targets) of tensors), `epochs` is required, `batch_size` is the global
+        batch (the sampler's by default), `stats_fn` computes the per-sample statistics
+        (record_sample_stats) and `save_every` counts epochs (data/fit.py)."""
+        if any(part is not None for part in (sampler, shuffle, distill, impact)):
             if steps is not None:
                 raise TrainingArgumentError(
-                    "fit(sampler=/shuffle=): hiding and shuffling work epoch by epoch: give "
-                    "epochs=, not steps=")
+                    "fit(sampler=/shuffle=/distill=/impact=): these work epoch by epoch: "
+                    "give epochs=, not steps=")
             return fit_data(self, loader, epochs=epochs, sampler=sampler, shuffle=shuffle,
-                            distill=distill, batch_size=batch_size, stats_fn=stats_fn, save_every=save_every,
-                            save_dir=save_dir, resume=resume, keep_last=keep_last,
+                            distill=distill, impact=impact, batch_size=batch_size,
+                            stats_fn=stats_fn, save_every=save_every, save_dir=save_dir,
+                            resume=resume, keep_last=keep_last,
                             max_grad_norm=max_grad_norm, log_every=log_every)
         if batch_size is not None or stats_fn is not None:
             raise TrainingArgumentError(

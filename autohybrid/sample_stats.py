@@ -16,10 +16,11 @@ computes its own loss from its labels and returns (N, T, V) logits (a causal lan
 model) may shift its labels first, which this module cannot see: it refuses, asking for
 `stats_fn(logits, targets) -> (loss, correct, prob)` (`logits_of` the model's output).
 
-`DistillLoss(gamma, temperature)` is a training loss of the same kind (`compiled.use_loss`):
-knowledge distillation against a teacher's logits packed into the target, which
-`compiled.fit(..., distill=ah.data.Distillation(...))` uses with the previous epoch's model
-as the teacher.
+`RemedyLoss(gamma, temperature, weighted)` is a training loss of the same kind
+(`compiled.use_loss`): knowledge distillation against a teacher's logits and per-sample
+weights, packed into the target, which `compiled.fit(..., distill=ah.data.Distillation(...),
+impact=ah.data.ImpactFactors(...))` uses (the previous epoch's model as the teacher, each
+worker's impact factor as its samples' weight).
 """
 from __future__ import annotations
 
@@ -81,42 +82,70 @@ def logits_of(output: Any) -> torch.Tensor:
     return logits
 
 
-class DistillLoss:
-    """Knowledge distillation against a teacher's logits (a non-IID remedy: the previous
-    epoch's model, data/fit.py): per sample (1 − γ)·CE(logits, y) + γ·T²·KL(softmax(teacher
-    / T) ‖ softmax(logits / T)), averaged over the batch — one mean of per-sample values,
-    so batch shards sum to it exactly (passes/global_loss.py). The target packs the label
-    and the teacher's logits in one (N, 1 + C) tensor (`pack_targets`). A value: its
-    fingerprint is (γ, T) (capture_cache.py)."""
+class RemedyLoss:
+    """The training loss of the non-IID remedies (data/remedies.py, run by data/fit.py):
+    per sample (1 − γ)·CE(logits, y) + γ·T²·KL(softmax(teacher / T) ‖ softmax(logits / T))
+    (knowledge distillation against a teacher's logits; γ = 0: the cross-entropy alone),
+    times the sample's weight when `weighted` (a worker's impact factor), averaged over
+    the batch — one mean of per-sample values, so batch shards sum to it exactly
+    (passes/global_loss.py). The target packs, per sample, the label, the weight (when
+    weighted) and the teacher's logits (when γ > 0) in one tensor (`pack_targets`). A
+    value: its fingerprint is (γ, T, weighted) (capture_cache.py)."""
 
-    def __init__(self, gamma: float = 0.5, temperature: float = 2.0):
+    def __init__(self, gamma: float = 0.5, temperature: float = 2.0, weighted: bool = False):
         if not 0.0 <= gamma <= 1.0 or not temperature > 0:
             raise TrainingArgumentError(f"distillation: gamma {gamma} must be in [0, 1] and "
                                         f"temperature {temperature} positive")
         self.gamma, self.temperature = float(gamma), float(temperature)
+        self.weighted = bool(weighted)
 
     def __call__(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         logits = logits_of(output)
-        if logits.dim() != 2 or target.dim() != 2 or target.shape[1] != logits.shape[1] + 1:
+        first = 2 if self.weighted else 1   # where the teacher's logits start
+        width = first + (logits.shape[-1] if self.gamma > 0 else 0)
+        if logits.dim() != 2 or target.dim() != 2 or target.shape[1] != width:
             raise CaptureError(
-                f"distillation: logits {tuple(logits.shape)} and packed targets "
-                f"{tuple(target.shape)}: it distills a classifier's (N, C) logits against "
-                "(N, 1 + C) targets (the label, then the teacher's logits: pack_targets)")
-        t = self.temperature
-        ce = F.cross_entropy(logits, self.labels(target), reduction="none")
-        student = F.log_softmax(logits.float() / t, dim=-1)
-        teacher = F.log_softmax(target[:, 1:].float() / t, dim=-1)
-        kl = (teacher.exp() * (teacher - student)).sum(-1)
-        return ((1.0 - self.gamma) * ce + self.gamma * t * t * kl).mean()
+                f"non-IID remedies: logits {tuple(logits.shape)} and packed targets "
+                f"{tuple(target.shape)}: they train a classifier's (N, C) logits against "
+                f"(N, {width}) targets (the label{', the weight' if self.weighted else ''}"
+                f"{', the teacher logits' if self.gamma > 0 else ''}: pack_targets)")
+        per_sample = F.cross_entropy(logits, self.labels(target), reduction="none")
+        if self.gamma > 0:
+            t = self.temperature
+            student = F.log_softmax(logits.float() / t, dim=-1)
+            teacher = F.log_softmax(target[:, first:].float() / t, dim=-1)
+            kl = (teacher.exp() * (teacher - student)).sum(-1)
+            per_sample = (1.0 - self.gamma) * per_sample + self.gamma * t * t * kl
+        if self.weighted:
+            per_sample = per_sample * target[:, 1].to(per_sample.dtype)
+        return per_sample.mean()
 
     @staticmethod
     def labels(target: torch.Tensor) -> torch.Tensor:
         return target[:, 0].long()
 
+    def _key(self) -> tuple:
+        return (self.gamma, self.temperature, self.weighted)
 
-def pack_targets(labels: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-    """(N,) class labels and the teacher's (N, C) logits as DistillLoss's (N, 1 + C)."""
-    return torch.cat([labels[:, None].to(teacher.dtype), teacher], dim=1)
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RemedyLoss) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+
+def pack_targets(labels: torch.Tensor, teacher: torch.Tensor | None = None,
+                 weights: torch.Tensor | None = None,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(N,) class labels, with (N,) weights and the teacher's (N, C) logits where given,
+    as RemedyLoss's packed target (in the teacher's dtype, else `dtype`)."""
+    dtype = teacher.dtype if teacher is not None else dtype
+    columns = [labels[:, None].to(dtype)]
+    if weights is not None:
+        columns.append(weights[:, None].to(dtype))
+    if teacher is not None:
+        columns.append(teacher)
+    return torch.cat(columns, dim=1)
 
 
 class StatsLoss:
@@ -132,7 +161,7 @@ class StatsLoss:
 
     def stats(self, output: Any, target: Any) -> torch.Tensor:
         logits = logits_of(output)
-        if isinstance(self.loss_fn, DistillLoss):   # the label of a packed target
+        if isinstance(self.loss_fn, RemedyLoss):   # the label of a packed target
             target = self.loss_fn.labels(target)
         if self.stats_fn is not None:
             values = self.stats_fn(logits, target)

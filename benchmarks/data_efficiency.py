@@ -4,6 +4,7 @@ partitioned by class — samples processed, wall time, bytes exchanged and held-
 accuracy of each method beside its baseline, in one run.
 
     python benchmarks/data_efficiency.py [--epochs N] [--dataset digits|clusters|both]
+                                         [--train N]
 
 Every run is `ah.compile(..., constraints=Constraints(dp=4))` on `ah.Cluster.local(4)`
 (gloo, one thread per rank) and `compiled.fit(dataset, epochs=..., sampler=..., shuffle=...)`,
@@ -16,11 +17,14 @@ from the same seed:
                by class, cut in 4): Q = 1 (every sample sent away: a global reshuffle),
                Q = 0.1, Q = 0 (local shuffling), an MLP with BatchNorm, SGD;
     distill    Q = 0 with Distillation(γ=0.5, T=2) against the previous epoch's model
-               (its logits of every sample, from an end-of-epoch forward), against Q = 1.
+               (its logits of every sample, from an end-of-epoch forward), against Q = 1;
+    impact     Q = 0 with ImpactFactors(shared=64): each worker's gradient weighted by
+               its first-order lookahead loss on a shared batch, against Q = 1.
 
 Datasets: scikit-learn's bundled 8×8 digits (1400 train, 397 held out; no download; 12
 epochs) and synthetic 10-class Gaussian clusters in 20-D (2400 / 1000; 10 epochs;
-tests/test_data_fit.py trains on 1600 for 8); `--epochs` overrides both. Wall time is fit's (rank 0),
+tests/test_data_fit.py trains on 1600 for 8); `--epochs` overrides both, `--train N`
+keeps the first N training samples (a quick run). Wall time is fit's (rank 0),
 including the statistics' gathers and the end-of-epoch forwards ("forwarded": hidden
 samples, or every sample for the teacher); bytes are what rank 0 sent in the exchanges
 (all_to_all_single of the samples' rows).
@@ -79,14 +83,16 @@ def by_class(y: torch.Tensor, workers: int) -> list[list[int]]:
             for w in range(workers)]
 
 
-def run(rank: int, dataset: str, method: str, value: float, epochs: int) -> dict:
+def run(rank: int, dataset: str, method: str, value: float, epochs: int,
+        train: int | None = None) -> dict:
     (xt, yt), (xv, yv) = DATASETS[dataset]()
+    xt, yt = xt[:train], yt[:train]
     torch.manual_seed(0)
-    norm = [nn.BatchNorm1d(64)] if method in ("shuffle", "distill") else []
+    norm = [nn.BatchNorm1d(64)] if method in ("shuffle", "distill", "impact") else []
     model = nn.Sequential(nn.Linear(xt.shape[1], 64), *norm, nn.ReLU(), nn.Linear(64, 10))
     lr = 0.1 if dataset == "digits" and method == "hiding" else 0.05
     compiled = ah.compile(model, ah.Cluster.local(4), (xt[:64],), loss_fn=F.cross_entropy,
-                          example_targets=yt[:64], constraints=ah.Constraints(dp=4),
+                          example_targets=yt[:64], constraints=ah.Constraints(dp=4, zero=0),
                           optimizer=lambda ps: torch.optim.SGD(ps, lr=lr, momentum=0.9))
     if method == "hiding":
         kwargs = {"sampler": ah.data.HidingSampler(len(xt), 64, fraction=value,
@@ -98,6 +104,8 @@ def run(rank: int, dataset: str, method: str, value: float, epochs: int) -> dict
                   "batch_size": 64}
         if method == "distill":
             kwargs["distill"] = ah.data.Distillation(gamma=0.5, temperature=2.0)
+        if method == "impact":
+            kwargs["impact"] = ah.data.ImpactFactors(shared=64)
     start = time.perf_counter()
     result = compiled.fit((xt, yt), epochs=epochs, log_every=None, **kwargs)
     wall = time.perf_counter() - start
@@ -111,10 +119,11 @@ def run(rank: int, dataset: str, method: str, value: float, epochs: int) -> dict
 
 ROWS = (("hiding", 0.0, "all samples"), ("hiding", 0.3, "hiding F=0.3"),
         ("shuffle", 1.0, "global Q=1"), ("shuffle", 0.1, "partial Q=0.1"),
-        ("shuffle", 0.0, "local Q=0"), ("distill", 0.0, "local Q=0 + distill"))
+        ("shuffle", 0.0, "local Q=0"), ("distill", 0.0, "local Q=0 + distill"),
+        ("impact", 0.0, "local Q=0 + impact"))
 
 
-def run_all(rank: int, names: tuple, epochs_of: dict) -> None:
+def run_all(rank: int, names: tuple, epochs_of: dict, train: int | None) -> None:
     """Every row of every dataset, one after another on the same 4 ranks; rank 0 prints."""
     for name in names:
         epochs = epochs_of[name]
@@ -125,8 +134,8 @@ def run_all(rank: int, names: tuple, epochs_of: dict) -> None:
                   f"{'accuracy':>8}  {'vs base':>9}", flush=True)
         base: dict[str, dict] = {}
         for method, value, label in ROWS:
-            r = run(rank, name, method, value, epochs)
-            ref = base.setdefault("shuffle" if method == "distill" else method, r)
+            r = run(rank, name, method, value, epochs, train)
+            ref = base.setdefault("hiding" if method == "hiding" else "shuffle", r)
             if rank == 0:
                 print(f"  {label:<22} {r['samples']:>7}  {r['samples'] / ref['samples']:>7.1%}  "
                       f"{r['forwarded']:>10}  {r['wall']:>6.2f}  "
@@ -139,11 +148,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=None)
     parser.add_argument("--dataset", choices=("digits", "clusters", "both"), default="both")
+    parser.add_argument("--train", type=int, default=None)
     args = parser.parse_args()
     names = ("digits", "clusters") if args.dataset == "both" else (args.dataset,)
     print(f"4 local ranks (dp=4), load average {os.getloadavg()[0]:.2f}", flush=True)
     ah.launch(run_all, ah.Cluster.local(4),
-              args=(names, {n: args.epochs or EPOCHS[n] for n in names}))
+              args=(names, {n: args.epochs or EPOCHS[n] for n in names}, args.train))
 
 
 if __name__ == "__main__":

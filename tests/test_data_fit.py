@@ -6,7 +6,10 @@ on 4 gloo ranks (autohybrid/data/fit.py).
   parts after every exchange, and the parameters at the end, under SGD with momentum
   (the learning rate scaled by 1/(1 − F_e)) — and a resume from its epoch checkpoint
   continues as the uninterrupted run. Under dp4, fit with distillation against the
-  previous epoch's model trains what an eager distillation loop (F.kl_div) trains.
+  previous epoch's model trains what an eager distillation loop (F.kl_div) trains; under
+  dp2×tp2, with impact factors and distillation, what an eager loop weighting each
+  worker's samples by them trains, the factors equal to autograd's formula (and, on one
+  rank, by central differences against autograd).
 - Useful: on scikit-learn's bundled digits and on synthetic 10-class data, hiding
   (F = 0.3, τ = 0.7) trains at least 15 % fewer samples at held-out accuracy within 1
   point of training on all of them; on shards partitioned by class, partial shuffling
@@ -256,6 +259,75 @@ def test_fit_with_distillation_trains_what_an_eager_distillation_loop_does():
     assert not any(results), results
 
 
+def _impact_rank(rank: int, world: int) -> list[str]:
+    """fit(shuffle=, impact=, distill=) under dp2×tp2 against an eager loop that trains
+    each worker's samples with weight M·α_w (α as fit logged it, checked against the
+    autograd formula at the same parameters) and distils from epoch 1 on."""
+    problems: list[str] = []
+    (xt, yt), _ = digits()
+    x, y = xt[:400], yt[:400]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    ref = copy.deepcopy(model)
+    compiled = _compile(model, x, y, ah.Constraints(dp=2, tp=2, zero=0))
+    impact, gamma, t = ah.data.ImpactFactors(shared=32, seed=1), 0.3, 2.0
+
+    def parts():
+        return PartialShuffle(400, 2, q=0.1, partition=by_class(y, 2), seed=6)
+
+    result = compiled.fit((x, y), epochs=3, shuffle=parts(), batch_size=32, impact=impact,
+                          distill=ah.data.Distillation(gamma, t), log_every=None)
+    shuffle, opt, teacher, losses = parts(), _sgd(ref.parameters()), None, []
+    shared = impact.shared_indices(400)
+    for epoch in range(3):
+        if epoch > 0:
+            shuffle.advance(epoch)
+        orders = [shuffle.local_order(w) for w in range(2)]
+        alpha = result.epochs_log[epoch]["impact"]
+        if epoch == 0:
+            if alpha is not None:
+                problems.append(f"rank {rank}: impact factors in epoch 0: {alpha}")
+            alpha = [0.5, 0.5]
+        else:
+            exact = _exact_impact(ref, x, y, shared, [o[:16] for o in orders], 0.1)
+            if not torch.allclose(torch.tensor(alpha), exact, atol=2e-3):
+                problems.append(f"rank {rank}: epoch {epoch} factors {alpha} != {exact}")
+        for s in range(min(map(len, orders)) // 16):
+            idx = torch.tensor([i for o in orders for i in o[s * 16:(s + 1) * 16]])
+            weight = torch.tensor([2 * alpha[w] for w in range(2) for _ in range(16)])
+            logits = ref(x[idx])
+            per = F.cross_entropy(logits, y[idx], reduction="none")
+            if teacher is not None:
+                kl = F.kl_div(F.log_softmax(logits / t, -1), F.log_softmax(teacher[idx] / t, -1),
+                              log_target=True, reduction="none").sum(-1)
+                per = (1 - gamma) * per + gamma * t * t * kl
+            loss = (weight * per).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        ref.eval()
+        with torch.no_grad():
+            teacher = ref(x)
+        ref.train()
+    got, want = torch.tensor(result.losses), torch.tensor(losses)
+    if got.shape != want.shape or not torch.allclose(got, want, atol=1e-4, rtol=1e-4):
+        problems.append(f"rank {rank}: losses {got[:5].tolist()} != {want[:5].tolist()}")
+    state = compiled.full_state_dict()
+    for name, value in ref.state_dict().items():
+        if not torch.allclose(state[name], value, atol=1e-4, rtol=1e-4):
+            problems.append(f"rank {rank}: parameter {name} differs by "
+                            f"{(state[name] - value).abs().max():.2e}")
+    return problems
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(200)
+def test_fit_with_impact_factors_weights_each_workers_samples_as_an_eager_loop_does():
+    results = pool_launch(_impact_rank, 4, args=(4,), timeout_s=guard(180))
+    assert not any(results), results
+
+
 # ============================================================================ useful
 def _accuracy(compiled, x, y) -> float:
     compiled.model.eval()
@@ -289,12 +361,12 @@ def _shuffle_run(data, q: float, epochs: int) -> float:
 
 def _useful_rank(rank: int, world: int) -> dict:
     out = {}
-    for name, data, epochs, lr in (("digits", digits(), 12, 0.1),
+    for name, data, epochs, lr in (("digits", digits(), 8, 0.1),
                                    ("clusters", (clusters(1, 1600), clusters(2, 1000)), 8,
                                     0.05)):
         out[name] = {"all": _hiding_run(data, 0.0, epochs, lr),
                      "hiding": _hiding_run(data, 0.3, epochs, lr)}
-    out["shuffle"] = {q: _shuffle_run(digits(), q, 8) for q in (1.0, 0.1)}
+    out["shuffle"] = {q: _shuffle_run(digits(), q, 6) for q in (1.0, 0.1)}
     return out
 
 
@@ -331,3 +403,50 @@ def test_fit_refuses_data_parts_that_do_not_fit_the_plan_before_training():
     with pytest.raises(TrainingArgumentError, match="go with sampler"):
         compiled.fit([((x,), y)], batch_size=8)
     assert compiled.step == 0
+
+
+def _exact_impact(model: nn.Module, x, y, shared, probes, lr: float) -> torch.Tensor:
+    """The impact factors by autograd: ℓ_w = L_S − η·⟨∇L_S, ∇L_w⟩, α ∝ 1/ℓ_w (eval mode
+    for the probes, as fit measures them)."""
+    params = [p for p in model.parameters()]
+    loss_s = F.cross_entropy(model(x[shared]), y[shared])
+    g_s = torch.autograd.grad(loss_s, params)
+    model.eval()
+    lookahead = []
+    for probe in probes:
+        idx = torch.tensor(probe)
+        g_w = torch.autograd.grad(F.cross_entropy(model(x[idx]), y[idx]), params)
+        dot = sum((a * b).sum() for a, b in zip(g_s, g_w))
+        lookahead.append(loss_s.detach() - lr * dot)
+    model.train()
+    inverse = 1.0 / torch.stack(lookahead).double()
+    return (inverse / inverse.sum()).float()
+
+
+def test_impact_factors_by_central_differences_equal_autograd_ones():
+    """ah.data.ImpactFactors' factors (data/remedies.py) against the same formula by
+    autograd, on one rank: three class-skewed probe batches, a shared batch."""
+    from autohybrid.data.fit import Samples
+    from autohybrid.data.remedies import impact_factors
+
+    (xt, yt), _ = digits()
+    x, y = xt[:200], yt[:200]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    ref = copy.deepcopy(model)
+    compiled = ah.compile(model, ah.Cluster.local(1), (x[:32],), loss_fn=F.cross_entropy,
+                          example_targets=y[:32],
+                          optimizer=lambda ps: torch.optim.SGD(ps, lr=5.0))
+    by = by_class(y, 3)
+    probes = [part[:16] for part in by]
+    shared = torch.arange(100, 164)
+    got = impact_factors(compiled, Samples((x, y)), shared, probes, 1e-2)
+    want = _exact_impact(ref, x, y, shared, probes, 5.0)
+    assert got.shape == (3,) and abs(float(got.sum()) - 1.0) < 1e-5, got
+    # central differences of a ReLU network (steps of 1 % of the parameters' norm cross
+    # a few kinks): 1e-3 here, 3e-4 at steps of 1e-4 in float64
+    assert torch.allclose(got, want, atol=2e-3), (got, want)
+    assert float(want.max() - want.min()) > 0.01, want   # the workers differ: a real check
+    state = compiled.full_state_dict()   # the parameters are back where they were
+    for name, value in ref.state_dict().items():
+        assert torch.allclose(state[name], value, atol=1e-6), name

@@ -19,18 +19,21 @@ Every rank runs it with the same arguments. Per epoch e:
   The exchange before epoch e + 1 is started when epoch e starts, on process groups of
   its own, and waited for when e ends: it overlaps the epoch's training. The end-of-epoch
   forward of hidden samples reads them from `dataset`.
-- distillation (`distill=Distillation(γ, T)`, a non-IID remedy, off by default): every
-  epoch ends with a forward of every sample (eval mode) whose logits are the next
-  epoch's teacher; from epoch 1 on the training loss is (1 − γ)·CE + γ·T²·KL against them
-  (sample_stats.DistillLoss, `compiled.use_loss`: the training graph captured again with
-  the teacher's logits packed into the targets). That forward also refreshes the hidden
-  samples' statistics. Without a sampler or a shuffle, batches of `batch_size` are a
-  seeded permutation of every sample per epoch.
+- the non-IID remedies (remedies.py, off by default), through the training loss
+  sample_stats.RemedyLoss (`compiled.use_loss`: the training graph captured again with
+  the teacher's logits and the weights packed into the targets):
+  distillation (`distill=Distillation(γ, T)`): every epoch ends with a forward of every
+  sample (eval mode) whose logits are the next epoch's teacher, which also refreshes the
+  hidden samples' statistics; from epoch 1 on the loss is (1 − γ)·CE + γ·T²·KL against
+  them. Impact factors (`impact=ImpactFactors(...)`, with a shuffle): at the start of
+  every epoch after the first, each worker's factor from its first batch and the shared
+  batch; its samples then weigh dp·α_w. Without a sampler or a shuffle, batches of
+  `batch_size` are a seeded permutation of every sample per epoch.
 
 Checkpoints (`save_dir`, every `save_every` epochs and at the end) hold the data position
 and each part's state (the sampler's statistics, the shuffle's parts, the learning-rate
-scale, the teacher's logits); `resume=True` continues from the next epoch, as the
-uninterrupted run would.
+scale, the teacher's logits, the impact factors); `resume=True` continues from the next
+epoch, as the uninterrupted run would.
 """
 from __future__ import annotations
 
@@ -47,8 +50,9 @@ from ..report.fit_progress import FitDisplay
 from ..runtime.fit import FitResult
 from ..runtime.fit_data import DataPosition, batch_tokens, decode_state, encode_state
 from ..runtime.timeouts import new_group
-from ..sample_stats import DistillLoss, StatsLoss, logits_of, pack_targets
+from ..sample_stats import RemedyLoss, StatsLoss, logits_of, pack_targets
 from .hiding import HidingSampler
+from .remedies import Distillation, ImpactFactors, check_plan, impact_factors
 from .shuffle import PartialShuffle
 
 
@@ -100,16 +104,17 @@ class Samples:
 
 def fit_data(compiled: Any, dataset: Any, *, epochs: int | None,
              sampler: HidingSampler | None, shuffle: PartialShuffle | None,
-             distill: DistillLoss | None = None,
+             distill: Distillation | None = None, impact: ImpactFactors | None = None,
              batch_size: int | None = None, stats_fn: Callable | None = None,
              save_every: int | None = None, save_dir: Any = None, resume: bool = False,
              keep_last: int | None = None, max_grad_norm: float | None = None,
              log_every: int | None = 10) -> DataFitResult:
-    """The loop of the module docstring; `compiled.fit` calls it when given a sampler, a
-    shuffle or a distillation."""
+    """The loop of the module docstring; `compiled.fit` calls it when given any of the
+    parts (sampler, shuffle, distill, impact)."""
     data = Samples(dataset)
     batch_size = _check(compiled, data, epochs, sampler, shuffle, distill, batch_size,
                         save_every, save_dir, resume)
+    check_plan(compiled, impact, shuffle)
     result, state = DataFitResult(), _State()
     position = DataPosition()
     if resume:
@@ -118,8 +123,8 @@ def fit_data(compiled: Any, dataset: Any, *, epochs: int | None,
     result.start_step = compiled.step
     if sampler is not None:
         compiled.record_sample_stats(stats_fn)
-    loop = _Loop(compiled, data, sampler, shuffle, distill, batch_size, max_grad_norm, state,
-                 result, stats_fn)
+    loop = _Loop(compiled, data, sampler, shuffle, distill, impact, batch_size, max_grad_norm,
+                 state, result, stats_fn)
     display = FitDisplay(compiled.rank == 0, None, compiled.step, log_every)
     saved_epoch = position.epoch
     with display:
@@ -140,7 +145,7 @@ def fit_data(compiled: Any, dataset: Any, *, epochs: int | None,
                                             distill, state, keep_last, display))
     if sampler is not None:
         compiled.record_sample_stats(enabled=False)
-    if distill is not None:
+    if distill is not None or impact is not None:
         compiled.use_loss(None)
     result.step, result.epoch, result.batches = compiled.step, position.epoch, 0
     if shuffle is not None:
@@ -150,19 +155,23 @@ def fit_data(compiled: Any, dataset: Any, *, epochs: int | None,
 
 @dataclass
 class _State:
-    """What the loop keeps besides its parts: the learning-rate scale in force, and with
-    distillation the teacher's logits of every sample (the previous epoch's model)."""
+    """What the loop keeps besides its parts: the learning-rate scale in force, with
+    distillation the teacher's logits of every sample (the previous epoch's model), with
+    impact factors the workers' latest."""
     lr_scale: float = 1.0
     teacher: torch.Tensor | None = None
+    weights: torch.Tensor | None = None   # the workers' impact factors, sum 1
 
 
 class _Loop:
     def __init__(self, compiled: Any, data: Samples, sampler: HidingSampler | None,
-                 shuffle: PartialShuffle | None, distill: DistillLoss | None, batch_size: int,
+                 shuffle: PartialShuffle | None, distill: Distillation | None,
+                 impact: ImpactFactors | None, batch_size: int,
                  max_grad_norm: float | None, state: _State, result: DataFitResult,
                  stats_fn: Callable | None):
         self.compiled, self.data, self.sampler, self.shuffle = compiled, data, sampler, shuffle
-        self.distill = distill
+        self.distill, self.impact = distill, impact
+        self.shared = impact.shared_indices(data.size) if impact is not None else None
         self.batch_size, self.max_grad_norm = batch_size, max_grad_norm
         self.state, self.result = state, result
         self.dp, self.worker = compiled.plan.mesh.dp, compiled.coords[1]
@@ -177,8 +186,7 @@ class _Loop:
             sampler.set_epoch(epoch)
             self._scale_lr(sampler.lr_scale(epoch))
         distilled = self.distill is not None and self.state.teacher is not None
-        if distilled:
-            self.compiled.use_loss(self.distill)   # against the previous epoch's model
+        self._use_remedies()
         hidden = sampler.hidden if sampler is not None else None
         sent_before = shuffle.samples_sent if shuffle is not None else 0
         trained = 0
@@ -201,6 +209,8 @@ class _Loop:
                 "hidden": int(hidden.sum()) if hidden is not None else 0,
                 "forwarded": forwarded, "exchanged": exchanged,
                 "distilled": distilled,
+                "impact": self.state.weights.tolist() if self.state.weights is not None
+                else None,
                 "lr_scale": self.state.lr_scale}
 
     def _shuffled_epoch(self, epoch: int, hidden: torch.Tensor | None,
@@ -216,6 +226,12 @@ class _Loop:
         orders = [[i for i in shuffle.local_order(w) if hidden is None or not hidden[i]]
                   for w in range(shuffle.workers)]
         steps = min(len(o) for o in orders) // per_rank
+        if self.impact is not None and epoch > 0 and steps:   # on each worker's first batch
+            self.compiled.use_loss(None)
+            self.state.weights = impact_factors(
+                self.compiled, self.data, self.shared, [o[:per_rank] for o in orders],
+                self.impact.epsilon)
+            self._use_remedies()
         tensors = self.local
         # the next epoch's exchange, overlapping this one's training
         handle = (shuffle.exchange(epoch + 1, tensors, group=self.group, async_op=True)
@@ -231,6 +247,19 @@ class _Loop:
             self.local = handle.wait()
         return trained
 
+    def _remedy(self) -> RemedyLoss | None:
+        """The loss of the remedies in force (None: the compiled one): distillation once
+        there is a teacher, weights once there are impact factors."""
+        teacher = self.distill is not None and self.state.teacher is not None
+        weights = self.impact is not None and self.state.weights is not None
+        if not (teacher or weights):
+            return None
+        return RemedyLoss(self.distill.gamma if teacher else 0.0,
+                          self.distill.temperature if teacher else 2.0, weighted=weights)
+
+    def _use_remedies(self) -> None:
+        self.compiled.use_loss(self._remedy())   # captured again only when it changes
+
     def _batches(self, epoch: int):
         """Global batches of every sample (no sampler, no shuffle: distillation alone),
         a seeded permutation per epoch, the last partial batch dropped."""
@@ -245,9 +274,17 @@ class _Loop:
         back): built from the dataset, or with `local` (this rank's tensors of samples
         `mine`) this rank's part only."""
         inputs, targets = self.data.take(mine) if local is None else local
-        if self.distill is not None and self.state.teacher is not None:
-            teacher = self.state.teacher[torch.as_tensor(list(mine), dtype=torch.long)]
-            targets = pack_targets(targets, teacher.to(targets.device))
+        remedy = self._remedy()
+        if remedy is not None:
+            teacher = weights = None
+            if remedy.gamma > 0:
+                teacher = self.state.teacher[torch.as_tensor(list(mine), dtype=torch.long)]
+                teacher = teacher.to(targets.device)
+            if remedy.weighted:   # this worker's samples (weights need a shuffle: local)
+                weight = float(self.state.weights[self.worker]) * self.dp
+                weights = torch.full((len(mine),), weight, device=targets.device)
+            dtype = inputs.dtype if inputs.is_floating_point() else torch.float32
+            targets = pack_targets(targets, teacher, weights, dtype)
         local = local is not None
         start = time.perf_counter()
         loss = float(self.compiled.train_step(inputs, targets, local=local,
@@ -324,7 +361,7 @@ def _check(compiled: Any, data: Samples, epochs: int | None, sampler: Any, shuff
         raise TrainingArgumentError(f"fit: sampler must be an ah.data.HidingSampler, got a "
                                     f"{type(sampler).__name__} (a torch sampler goes into "
                                     "the DataLoader you pass instead)")
-    if distill is not None and not isinstance(distill, DistillLoss):
+    if distill is not None and not isinstance(distill, Distillation):
         raise TrainingArgumentError(f"fit: distill must be an ah.data.Distillation, got a "
                                     f"{type(distill).__name__}")
     if shuffle is not None and not isinstance(shuffle, PartialShuffle):
@@ -389,9 +426,14 @@ def _lr(compiled: Any) -> float:
 
 def _describe(log: dict[str, Any], total: int) -> str:
     visible = total - log["hidden"]
-    return (f"epoch {log['epoch']}: visible {visible}/{total} ({visible / total:.0%}), "
+    line = (f"epoch {log['epoch']}: visible {visible}/{total} ({visible / total:.0%}), "
             f"hidden {log['hidden']}, trained {log['trained']}, exchanged "
             f"{log['exchanged']}, lr ×{log['lr_scale']:.3f}")
+    if log["distilled"]:
+        line += ", distilled"
+    if log["impact"] is not None:
+        line += ", impact " + " ".join(f"{a:.3f}" for a in log["impact"])
+    return line
 
 
 # ---------------------------------------------------------------------- checkpoints
@@ -400,6 +442,8 @@ def _save(compiled: Any, save_dir: Any, position: DataPosition, sampler: Any, sh
     parts: dict[str, Any] = {"lr_scale": state.lr_scale}
     if distill is not None and state.teacher is not None:
         parts["teacher"] = encode_state(state.teacher, "the teacher's logits")
+    if state.weights is not None:
+        parts["impact"] = state.weights.tolist()
     if sampler is not None:
         parts["sampler"] = encode_state(sampler.state_dict(), "HidingSampler.state_dict()")
     if shuffle is not None:
@@ -436,4 +480,6 @@ def _resume(compiled: Any, save_dir: Any, sampler: Any, shuffle: Any, distill: A
     state.lr_scale = float(parts["lr_scale"])
     if distill is not None and "teacher" in parts:
         state.teacher = decode_state(parts["teacher"])
+    if "impact" in parts:
+        state.weights = torch.tensor(parts["impact"], dtype=torch.float32)
     return position, str(path)
