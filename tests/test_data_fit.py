@@ -259,10 +259,12 @@ def test_fit_with_distillation_trains_what_an_eager_distillation_loop_does():
     assert not any(results), results
 
 
-def _impact_rank(rank: int, world: int) -> list[str]:
+def _impact_rank(rank: int, world: int, save_dir: str) -> list[str]:
     """fit(shuffle=, impact=, distill=) under dp2×tp2 against an eager loop that trains
     each worker's samples with weight M·α_w (α as fit logged it, checked against the
-    autograd formula at the same parameters) and distils from epoch 1 on."""
+    autograd formula at the same parameters) and distils from epoch 1 on; then a new job
+    resumed from its epoch-2 checkpoint (teacher, factors, parts restored) trains epoch 2
+    as it did."""
     problems: list[str] = []
     (xt, yt), _ = digits()
     x, y = xt[:400], yt[:400]
@@ -275,8 +277,12 @@ def _impact_rank(rank: int, world: int) -> list[str]:
     def parts():
         return PartialShuffle(400, 2, q=0.1, partition=by_class(y, 2), seed=6)
 
-    result = compiled.fit((x, y), epochs=3, shuffle=parts(), batch_size=32, impact=impact,
-                          distill=ah.data.Distillation(gamma, t), log_every=None)
+    def run(compiled, where, resume=False):
+        return compiled.fit((x, y), epochs=3, shuffle=parts(), batch_size=32, impact=impact,
+                            distill=ah.data.Distillation(gamma, t), log_every=None,
+                            save_dir=where, save_every=2, resume=resume)
+
+    result = run(compiled, f"{save_dir}/run")
     shuffle, opt, teacher, losses = parts(), _sgd(ref.parameters()), None, []
     shared = impact.shared_indices(400)
     for epoch in range(3):
@@ -318,13 +324,32 @@ def _impact_rank(rank: int, world: int) -> list[str]:
         if not torch.allclose(state[name], value, atol=1e-4, rtol=1e-4):
             problems.append(f"rank {rank}: parameter {name} differs by "
                             f"{(state[name] - value).abs().max():.2e}")
+    torch.manual_seed(0)
+    again = _compile(nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)), x, y,
+                     ah.Constraints(dp=2, tp=2, zero=0))
+    if rank == 0:
+        shutil.copytree(f"{save_dir}/run", f"{save_dir}/resume")
+        shutil.rmtree(f"{save_dir}/resume/{Path(result.checkpoints[-1]).name}")
+    torch.distributed.barrier()
+    resumed = run(again, f"{save_dir}/resume", resume=True)
+    tail = result.losses[-len(resumed.losses):]
+    if resumed.resumed_from is None or resumed.epochs_log[0]["impact"] != \
+            result.epochs_log[2]["impact"] or not torch.allclose(
+                torch.tensor(resumed.losses), torch.tensor(tail), atol=1e-6):
+        problems.append(f"rank {rank}: resumed epoch 2 {resumed.losses[:3]} "
+                        f"{resumed.epochs_log[0]['impact']} != {tail[:3]} "
+                        f"{result.epochs_log[2]['impact']}")
+    again_state = again.full_state_dict()
+    for name, value in state.items():
+        if not torch.allclose(again_state[name], value, atol=1e-6):
+            problems.append(f"rank {rank}: resumed {name} differs")
     return problems
 
 
 @pytest.mark.procs
 @pytest.mark.timeout(200)
-def test_fit_with_impact_factors_weights_each_workers_samples_as_an_eager_loop_does():
-    results = pool_launch(_impact_rank, 4, args=(4,), timeout_s=guard(180))
+def test_fit_with_impact_factors_weights_each_workers_samples_as_an_eager_loop_does(tmp_path):
+    results = pool_launch(_impact_rank, 4, args=(4, str(tmp_path)), timeout_s=guard(180))
     assert not any(results), results
 
 
