@@ -111,6 +111,16 @@ def _eager_replay(model: nn.Module, x, y, sampler: HidingSampler, shuffle: Parti
     return out
 
 
+def _but_the_last(rank: int, save_dir: str, result) -> str:
+    """`save_dir`/run's checkpoints but the last, as `save_dir`/resume (rank 0 copies,
+    every rank waits): what a job stopped one epoch early left."""
+    if rank == 0:
+        shutil.copytree(f"{save_dir}/run", f"{save_dir}/resume")
+        shutil.rmtree(f"{save_dir}/resume/{Path(result.checkpoints[-1]).name}")
+    torch.distributed.barrier()
+    return f"{save_dir}/resume"
+
+
 def _parts():
     return (HidingSampler(400, 32, fraction=0.3, threshold=0.7, seed=3, drop_last=True),
             PartialShuffle(400, 2, q=0.25, seed=5))
@@ -167,12 +177,9 @@ def _exact_rank(rank: int, world: int, save_dir: str) -> list[str]:
     again = _compile(nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)), x, y,
                      ah.Constraints(dp=2, tp=2))
     s2, sh2 = _parts()
-    if rank == 0:
-        shutil.copytree(f"{save_dir}/run", f"{save_dir}/resume")
-        shutil.rmtree(f"{save_dir}/resume/{Path(result.checkpoints[-1]).name}")
-    torch.distributed.barrier()
     resumed = again.fit((x, y), epochs=3, sampler=s2, shuffle=sh2,
-                        save_dir=f"{save_dir}/resume", resume=True, log_every=None)
+                        save_dir=_but_the_last(rank, save_dir, result), resume=True,
+                        log_every=None)
     if resumed.resumed_from is None or len(resumed.epochs_log) != 1:
         problems.append(f"rank {rank}: resume ran {len(resumed.epochs_log)} epochs from "
                         f"{resumed.resumed_from}")
@@ -327,11 +334,7 @@ def _impact_rank(rank: int, world: int, save_dir: str) -> list[str]:
     torch.manual_seed(0)
     again = _compile(nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10)), x, y,
                      ah.Constraints(dp=2, tp=2, zero=0))
-    if rank == 0:
-        shutil.copytree(f"{save_dir}/run", f"{save_dir}/resume")
-        shutil.rmtree(f"{save_dir}/resume/{Path(result.checkpoints[-1]).name}")
-    torch.distributed.barrier()
-    resumed = run(again, f"{save_dir}/resume", resume=True)
+    resumed = run(again, _but_the_last(rank, save_dir, result), resume=True)
     tail = result.losses[-len(resumed.losses):]
     if resumed.resumed_from is None or resumed.epochs_log[0]["impact"] != \
             result.epochs_log[2]["impact"] or not torch.allclose(

@@ -47,7 +47,7 @@ from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from ..errors import TrainingArgumentError
 from ..report.fit_progress import FitDisplay
-from ..runtime.fit import FitResult
+from ..runtime.fit import FitResult, _lr
 from ..runtime.fit_data import DataPosition, batch_tokens, decode_state, encode_state
 from ..runtime.timeouts import new_group
 from ..sample_stats import RemedyLoss, StatsLoss, logits_of, pack_targets
@@ -415,13 +415,6 @@ def _exchange_group(compiled: Any) -> Any:
         if me in row:
             mine = group
     return mine
-
-
-def _lr(compiled: Any) -> float:
-    optimizer = compiled.optimizer
-    if optimizer is None or not optimizer.param_groups:
-        return float("nan")
-    return float(optimizer.param_groups[0]["lr"])
 
 
 def _describe(log: dict[str, Any], total: int) -> str:

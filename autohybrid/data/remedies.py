@@ -61,12 +61,6 @@ class ImpactFactors:
         return torch.randperm(num_samples, generator=g)[:min(self.shared, num_samples)]
 
 
-def remedy_loss(distill: Distillation | None, impact: ImpactFactors | None) -> RemedyLoss:
-    return RemedyLoss(distill.gamma if distill is not None else 0.0,
-                      distill.temperature if distill is not None else 2.0,
-                      weighted=impact is not None)
-
-
 def check_plan(compiled: Any, impact: ImpactFactors | None, shuffle: Any) -> None:
     """ImpactFactors' requirements, before anything trains."""
     if impact is None:
