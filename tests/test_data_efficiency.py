@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import autohybrid as ah
+from _datasets import clusters
 from _limits import guard
 from _pool import launch as pool_launch
 from autohybrid.data import DECAY, HidingSampler, PartialShuffle, sample_stats
@@ -125,21 +126,13 @@ def test_hiding_refuses_bad_arguments():
         s.load_state_dict(HidingSampler(11, 2).state_dict())
 
 
-def _clusters(seed: int, n: int):
-    """10 Gaussian classes in 20-D whose centres overlap (a linear-ish task at ~92 %)."""
-    centres = torch.randn(10, 20, generator=torch.Generator().manual_seed(99)) * 0.7
-    g = torch.Generator().manual_seed(seed)
-    y = torch.randint(0, 10, (n,), generator=g)
-    return centres[y] + torch.randn(n, 20, generator=g), y
-
-
 def _train_plain_loop(fraction: float, epochs: int = 10) -> tuple[int, float]:
     """An MLP trained by a plain PyTorch loop on HidingSampler's batches: statistics
     recorded from the training forward, hidden samples forwarded at each epoch's end,
     the learning rate decayed ×0.3 at the milestones and scaled by `lr_scale`. Returns
     (samples trained on, held-out accuracy)."""
-    x, y = _clusters(1, 3000)
-    xt, yt = _clusters(2, 2000)
+    x, y = clusters(1, 3000)
+    xt, yt = clusters(2, 2000)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(),
                                 torch.nn.Linear(64, 10))

@@ -49,7 +49,7 @@ from ..errors import TrainingArgumentError
 from ..report.fit_progress import FitDisplay
 from ..runtime.fit import FitResult, _lr
 from ..runtime.fit_data import DataPosition, batch_tokens, decode_state, encode_state
-from ..runtime.timeouts import new_group
+from ..runtime.groups import row_group
 from ..sample_stats import RemedyLoss, StatsLoss, logits_of, pack_targets
 from .hiding import HidingSampler
 from .remedies import Distillation, ImpactFactors, check_plan, impact_factors
@@ -409,12 +409,7 @@ def _exchange_group(compiled: Any) -> Any:
     mesh = compiled.plan.mesh
     ranks = torch.tensor([p.rank for p in compiled.plan.placement]).reshape(
         mesh.pp, mesh.dp, mesh.tp)
-    mine, me = None, dist.get_rank()
-    for row in ranks.movedim(1, -1).reshape(-1, mesh.dp).tolist():
-        group = new_group(row)
-        if me in row:
-            mine = group
-    return mine
+    return row_group(ranks.movedim(1, -1).reshape(-1, mesh.dp).tolist(), "dp (exchange)")
 
 
 def _describe(log: dict[str, Any], total: int) -> str:

@@ -123,12 +123,13 @@ def build_mesh(plan: Plan, device_type: str) -> DeviceMesh | None:
         ops.groups.bind(axis, group)
     flat = ranks.flatten().tolist()
     for axis, rows in spatial_groups(plan.mesh).items():
-        ops.groups.bind(axis, _row_group([[flat[r] for r in row] for row in rows], axis))
+        ops.groups.bind(axis, row_group([[flat[r] for r in row] for row in rows], axis))
     return mesh
 
 
-def _row_group(rows: list[list[int]], axis: str) -> dist.ProcessGroup:
-    """This rank's group among `rows` (every one created on every rank, in order)."""
+def row_group(rows: list[list[int]], axis: str) -> dist.ProcessGroup:
+    """This rank's group among `rows` (every one created on every rank, in order), a
+    group of its own even when a row spans the world (data/fit.py's exchange groups)."""
     me, mine = dist.get_rank(), None
     for row in rows:
         group = new_group(row)
