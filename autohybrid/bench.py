@@ -7,22 +7,27 @@ on the same mesh (autohybrid/baselines.py: DDP, ZeroRedundancyOptimizer, FSDP2, 
 pipelining), what the planner predicted, and proof that all of them trained the same
 function (their losses beside eager's).
 
-How it measures, on every rank of one `ah.launch` (each variant in turn, a fresh model
-built from the same seed each time, the same batches; one after another rather than
-alternating step by step, so that each variant's memory is its own — on a machine shared
-with other jobs, compare runs made at the same load):
+How it measures, on every rank of one `ah.launch` (a fresh model per variant, built from
+the same seed, the same batches):
 
-- step time: `warmup` steps, then `steps` measured steps, a barrier before each; a step's
-  time is the slowest rank's (the parent takes the maximum over ranks per step), after
-  `float(loss)` (which waits for CUDA kernels). Eager runs on rank 0 alone, the others
-  wait on a long-timeout gloo group.
+- order: eager first (rank 0); then the compiled run alone — `warmup` + `steps` timed
+  steps, its profiled steps, its memory; then the baseline, whose timed steps alternate
+  with steps of the compiled run (still alive), a barrier before each: compiled step,
+  baseline step, next batch. The compiled run's figures are those paired steps
+  (`paired_times`), and `paired_ratio` is the median over steps of compiled ÷ baseline,
+  two adjacent steps each: on a machine shared with other jobs (or two ranks sharing two
+  cores) load falls on both alike, which two runs one after another cannot promise.
+- step time: a barrier before each step; a step's time is the slowest rank's (the parent
+  takes the maximum over ranks per step), after `float(loss)` (which waits for CUDA
+  kernels). Eager runs on rank 0 alone, the others wait on a long-timeout gloo group.
 - precision: `dtype` (e.g. "bf16") is what `ah.compile(dtype=...)` takes; narrower than the
   model's float32 parameters it is mixed precision (autocast, fp32 master weights), and
   eager runs its forward and loss under the same `torch.autocast` (fp16 with a
   `torch.amp.GradScaler`, as the compiled run scales its loss) and the baseline its whole
   `train_step` (forward and backward are one call there; no loss scaling), so that the
   comparison is between equals. The result records it (`dtype`, `autocast`).
-- exposed communication: one more step under `torch.profiler` (CPU activity; CUDA too on
+- exposed communication: more steps under `torch.profiler` (one; `breakdown=True`: 5, their
+  median) (CPU activity; CUDA too on
   a CUDA device, where the timeline reads kernels and NCCL kernels), turned into
   a timeline by runtime/profile.py's `timeline_from_events` — the machinery behind
   `compiled.profile` — for every variant alike: communication time not covered by the
@@ -31,7 +36,13 @@ with other jobs, compare runs made at the same load):
   waits are taken out of compute here. The figure is the largest over the ranks, beside
   the profiled step's own duration (`profiled_step_s`: the profiler slows a step). On
   CUDA it is NCCL kernel time not overlapped by compute kernels on other streams.
-- peak memory per rank: on CUDA `torch.cuda.max_memory_allocated`, reset per variant. On
+- breakdown (report/breakdown.py): the same profiled steps by part — compute per phase and
+  by op kind (matmul, attention, copies, other ops, framework: the runtime's Python,
+  hooks and autograd's engine between ops), optimizer, each collective kind exposed and
+  hidden — the median step of the slowest rank; `format_breakdown()` prints it beside
+  the cost model's parts.
+- peak memory per rank: on CUDA `torch.cuda.max_memory_allocated` over one step, reset
+  before it, less what the compiled run (alive beside the baseline) holds. On
   CPU there is no allocator high-water mark, and RSS includes the Python heap, libraries
   and freed-but-cached pages; we measure instead ``held + transient``: `held` = bytes of
   the distinct tensor storages reachable from the variant's objects at the start of one
@@ -70,11 +81,12 @@ OPTIMIZERS = {"sgd": (torch.optim.SGD, 0.01), "adamw": (torch.optim.AdamW, 1e-3)
 CUDA_MEASURE = "cuda_max_memory_allocated"
 CPU_MEASURE = "cpu_live_tensor_bytes"
 #: the step ranges runtime/profile.py's timeline expects
-_STEP = "ah::step0"
 _FUNCTIONAL_WAIT = "_c10d_functional::wait_tensor"
 #: how long ranks that do not run eager wait for rank 0 (big models on CPU are slow)
 _EAGER_WAIT = timedelta(hours=4)
 _NO_TIMELINE = "not measured: a rank's profiled step gave no timeline"
+#: profiled steps per variant under breakdown=True (their median is reported)
+BREAKDOWN_STEPS = 5
 #: the reachable-object walk stops after this many objects (a lower bound beyond)
 _WALK_LIMIT = 2_000_000
 
@@ -106,6 +118,12 @@ class Run:
     exposed_comm_note: str = ""  # why exposed_comm_s is null
     #: the profiled step's duration (slowest rank), which exposed_comm_s is part of
     profiled_step_s: float | None = None
+    #: compiled run only: the median over steps of its time ÷ the baseline's, the two
+    #: steps adjacent (None without a baseline)
+    paired_ratio: float | None = None
+    #: the median of the profiled steps' breakdowns, the slowest rank's
+    #: (report/breakdown.py StepBreakdown.to_dict(); None where not measured)
+    breakdown: dict[str, Any] | None = None
     losses: list[float] = field(default_factory=list)
     loss_vs_eager: dict[str, Any] | None = None
 
@@ -160,6 +178,17 @@ class BenchResult:
         """A plain-text table: one row per variant (n/a rows give their reason)."""
         return format_table(self)
 
+    def format_breakdown(self) -> str:
+        """Where each variant's step goes (report/breakdown.py), the slowest rank's median
+        profiled step, beside the cost model's parts of the compiled plan's step."""
+        from .report.breakdown import StepBreakdown, format_breakdown, predicted_parts
+
+        rows = [(r.name, StepBreakdown.from_dict(r.breakdown) if r.breakdown else None)
+                for r in self.runs if r.available]
+        parts = (predicted_parts(Plan.from_dict(self.full_plan).predicted)
+                 if self.full_plan else None)
+        return format_breakdown(rows, parts)
+
 
 # ---------------------------------------------------------------------- the entry point
 def bench(model: str | Callable[[], tuple], cluster: Cluster, *,
@@ -169,7 +198,7 @@ def bench(model: str | Callable[[], tuple], cluster: Cluster, *,
           json_path: str | Path | None = None, plot_path: str | Path | None = None,
           seed: int = 0, loss_tolerance: float = 1e-5,
           timeout_s: float | None = None, start_method: str | None = None,
-          dtype: torch.dtype | str | None = None) -> BenchResult:
+          dtype: torch.dtype | str | None = None, breakdown: bool = False) -> BenchResult:
     """Train `model` eagerly in one process, compiled by autohybrid, and (`baselines`)
     with the hand-written PyTorch baseline of the plan's layout, on `cluster` (local
     processes); return their step times, throughput, memory, exposed communication and
@@ -192,7 +221,8 @@ def bench(model: str | Callable[[], tuple], cluster: Cluster, *,
                plan=_typed("plan", plan, Plan), constraints=_typed("constraints", constraints,
                                                                   Constraints),
                optimizer=_optim(optimizer, lr), baselines=bool(baselines), seed=seed,
-               cluster=cluster, dtype=_dtype(dtype))
+               cluster=cluster, dtype=_dtype(dtype),
+               profile_steps=BREAKDOWN_STEPS if breakdown else 1)
     if plan is not None and constraints is not None:
         raise BenchError("ah.bench: pass plan= or constraints=, not both (a plan is "
                          "already decided; constraints steer a new search)")
@@ -228,6 +258,7 @@ class _Job:
     seed: int
     cluster: Cluster
     dtype: str | None = None  # a dtype name ("bfloat16"), None: the model's own
+    profile_steps: int = 1  # profiled steps per variant (the breakdown's median)
 
 
 def _dtype(dtype: Any) -> str | None:
@@ -381,14 +412,29 @@ def _rank_main(rank: int, job: _Job) -> dict[str, Any]:
                            "autocast": str(compute).removeprefix("torch.") if compute else None}
     del first
     out["eager"] = _eager(rank, job, data, device, waiting)
-    out["compiled"], plan = _compiled(rank, job, data, device)
+    resident = _allocated(device)
+    compiled, plan = _compiled(job)
+    out["compiled"] = _measure(compiled.train_step, rank, data, device, compiled, "autohybrid",
+                               job.profile_steps)
     out["plan"] = {"summary": plan.summary(), "mesh": plan.mesh.describe(), "hash": plan.hash()}
     out["full_plan"] = plan.to_dict()
     out["predicted"] = {"step_time_s": plan.predicted.step_time_s,
                         "exposed_comm_s": plan.predicted.exposed_comm_s,
                         "memory_per_rank_bytes": int(plan.predicted.memory_per_rank_bytes)}
-    out["baseline"] = _baseline(rank, job, data, device, plan)
+    out["baseline"] = _baseline(rank, job, data, device, plan, compiled,
+                                _allocated(device) - resident)
+    del compiled
+    gc.collect()
     return out
+
+
+def _allocated(device: torch.device) -> int:
+    """Bytes the CUDA allocator holds now (0 on CPU): what a variant still alive beside the
+    one being measured holds is taken out of the latter's peak."""
+    if device.type != "cuda":
+        return 0
+    gc.collect()
+    return int(torch.cuda.memory_allocated(device))
 
 
 def _to(x: Any, device: torch.device) -> Any:
@@ -426,56 +472,79 @@ def _eager(rank: int, job: _Job, data: list, device: torch.device, waiting: Any)
         return loss.detach().float()
 
     times, losses = _timed(step, data, rank, "eager", barrier=False)
+    profiled = _profiled(step, data, rank, device, job.profile_steps)
     memory = _peak_memory(step, data[0], device, (model, opt))
     dist.barrier(group=waiting)
-    return {"times": times, "losses": losses, "memory": memory, "exposed": 0.0}
+    return {"times": times, "losses": losses, "memory": memory, "exposed": 0.0,
+            "profiled": profiled["profiled"], "breakdown": profiled["breakdown"]}
 
 
-def _compiled(rank: int, job: _Job, data: list, device: torch.device) -> tuple[dict, Plan]:
+def _compiled(job: _Job) -> tuple[Any, Plan]:
     from .api import compile as ah_compile
 
-    _reset_cuda(device)
     w = _build(job)
     compiled = ah_compile(w.model, job.cluster, w.inputs, loss_fn=w.loss_fn,
                           example_targets=w.targets, optimizer=job.optimizer, plan=job.plan,
                           constraints=job.constraints, global_batch=job.global_batch,
                           dtype=job.dtype)
-    run = _measure(compiled.train_step, rank, data, device, compiled, "autohybrid")
-    plan = compiled.plan
-    del compiled
-    gc.collect()
-    return run, plan
+    return compiled, compiled.plan
 
 
-def _baseline(rank: int, job: _Job, data: list, device: torch.device, plan: Plan) -> dict:
-    """The hand-written baseline of the plan's layout, or why there is none."""
+def _baseline(rank: int, job: _Job, data: list, device: torch.device, plan: Plan,
+              compiled: Any, compiled_bytes: int) -> dict:
+    """The hand-written baseline of the plan's layout, or why there is none. Its steps
+    alternate with steps of the (already measured) compiled run, a barrier before each,
+    so that both see the same machine: `paired_times` are the compiled run's."""
     if not job.baselines:
         return {"name": "n/a", "reason": "baselines=False: not run"}
     w = _build(job)
     choice = torch_baselines.choose(plan, w.model)
     if not choice.available:
         return {"name": choice.name, "reason": choice.reason}
-    _reset_cuda(device)
     base = torch_baselines.build(choice, plan, w.model, w.loss_fn, job.optimizer, w.inputs,
                                  device)
     step = _under_autocast(base.train_step, device, _autocast_dtype(job, w.model))
-    run = _measure(step, rank, data, device, base, choice.name)
+    times, losses, paired = _alternated(step, compiled.train_step, data, rank, choice.name)
+    run = _measure(step, rank, data, device, base, choice.name, job.profile_steps,
+                   timed=(times, losses), other_bytes=compiled_bytes)
     del base
     gc.collect()
-    return {"name": choice.name, "reason": "", "note": choice.note, **run}
+    return {"name": choice.name, "reason": "", "note": choice.note, "paired_times": paired,
+            **run}
+
+
+def _alternated(step: Callable, other: Callable, data: list, rank: int, label: str
+                ) -> tuple[list[float], list[float], list[float]]:
+    """`step` over `data` (times and losses), each step after one of `other` (its times):
+    adjacent steps, so load from other jobs falls on both alike."""
+    times, losses, others = [], [], []
+    bar = logs.progress(len(data), f"bench {label} (paired)") if rank == 0 else _quiet()
+    with bar as progress:
+        for inputs, targets in data:
+            dist.barrier()
+            start = time.perf_counter()
+            float(other(inputs, targets))
+            others.append(time.perf_counter() - start)
+            dist.barrier()
+            start = time.perf_counter()
+            losses.append(float(step(inputs, targets)))
+            times.append(time.perf_counter() - start)
+            progress.advance()
+    return times, losses, others
 
 
 def _measure(step: Callable, rank: int, data: list, device: torch.device, holder: Any,
-             label: str) -> dict:
-    """Timed steps, then one profiled step for exposed communication and one for memory."""
-    times, losses = _timed(step, data, rank, label, barrier=True)
+             label: str, profile_steps: int, timed: tuple | None = None,
+             other_bytes: int = 0) -> dict:
+    """Timed steps (unless `timed` gives them), then `profile_steps` profiled steps for the
+    exposed communication and the breakdown, and one for memory."""
+    times, losses = timed or _timed(step, data, rank, label, barrier=True)
     dist.barrier()
-    exposed, profiled, timeline = _exposed_comm(step, data[0], rank, device)
+    profiled = _profiled(step, data, rank, device, profile_steps)
     dist.barrier()
-    memory = _peak_memory(step, data[0], device, holder)
+    memory = _peak_memory(step, data[0], device, holder, other_bytes)
     dist.barrier()
-    return {"times": times, "losses": losses, "memory": memory, "exposed": exposed,
-            "profiled": profiled, "timeline": timeline}
+    return {"times": times, "losses": losses, "memory": memory, **profiled}
 
 
 def _timed(step: Callable, data: list, rank: int, label: str, barrier: bool
@@ -508,40 +577,56 @@ def _reset_cuda(device: torch.device) -> None:
 
 
 # ---------------------------------------------------------------------- exposed communication
-def _exposed_comm(step: Callable, batch: tuple, rank: int, device: torch.device
-                  ) -> tuple[float, float, dict[str, Any]]:
-    """Exposed communication of one profiled step on this rank (see the module docstring),
-    that step's duration (the profiler slows a step: read the two together) and its
-    timeline (Timeline.to_dict(), the profiler's clock: the same on every local rank)."""
+def _profiled(step: Callable, data: list, rank: int, device: torch.device, steps: int
+              ) -> dict[str, Any]:
+    """`steps` profiled steps on this rank (the batches of `data` in turn): the median
+    exposed communication (see the module docstring), the median profiled step's duration
+    (the profiler slows a step: read the two together), the first step's timeline
+    (Timeline.to_dict(), the profiler's clock: the same on every local rank) and the
+    median breakdown (report/breakdown.py: StepBreakdown.to_dict())."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from .report.timeline import clip, subtract, total, union
-    from .runtime.profile import timeline_from_events
+    from .report.breakdown import median_breakdown, op_events, step_breakdowns
+    from .report.timeline import Timeline, clip, subtract, total, union
+    from .runtime.profile import STEP_PREFIX, timeline_from_events
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
                                            else [])
     with profile(activities=activities) as prof:
-        with record_function(_STEP):
-            float(step(*batch))
+        for k in range(steps):
+            with record_function(f"{STEP_PREFIX}{k}"):
+                float(step(*data[k % len(data)]))
     events = prof.events()
     timeline = timeline_from_events(events, rank, 0.0)
-    span = timeline.intervals(rank, "step", 0)[0]
-    within = lambda kind: union(clip((iv.start_s, iv.end_s), span.start_s, span.end_s)  # noqa: E731
-                                for iv in timeline.intervals(rank, kind, 0))
-    waits = [] if span.args.get("device") == "cuda" else [  # CUDA: compute is kernels
-        (e.time_range.start / 1e6, e.time_range.end / 1e6) for e in events
-        if e.name == _FUNCTIONAL_WAIT]
-    compute = subtract(within("compute"), waits)
-    return (total(subtract(within("communication"), compute)), span.end_s - span.start_s,
-            timeline.to_dict())
+    waits = [(e.time_range.start / 1e6, e.time_range.end / 1e6) for e in events
+             if e.name == _FUNCTIONAL_WAIT]
+    exposed, spans = [], []
+    for k in range(steps):
+        span = timeline.intervals(rank, "step", k)[0]
+        within = lambda kind: union(clip((iv.start_s, iv.end_s), span.start_s, span.end_s)  # noqa: E731,B023
+                                    for iv in timeline.intervals(rank, kind, k))
+        cuda = span.args.get("device") == "cuda"  # CUDA: compute is kernels
+        compute = subtract(within("compute"), [] if cuda else waits)
+        exposed.append(total(subtract(within("communication"), compute)))
+        spans.append(span.end_s - span.start_s)
+    breakdown = median_breakdown(step_breakdowns(timeline, op_events(events), rank))
+    first = Timeline(timeline.source, {rank: [iv for iv in timeline.ranks[rank]
+                                              if iv.step == 0]}, dict(timeline.meta))
+    return {"exposed": statistics.median(exposed), "profiled": statistics.median(spans),
+            "timeline": first.to_dict(), "breakdown": breakdown.to_dict()}
 
 
 # ---------------------------------------------------------------------- memory
-def _peak_memory(step: Callable, batch: tuple, device: torch.device, holder: Any) -> int:
-    """This variant's peak memory on this rank (see the module docstring)."""
+def _peak_memory(step: Callable, batch: tuple, device: torch.device, holder: Any,
+                 other_bytes: int = 0) -> int:
+    """This variant's peak memory on this rank (see the module docstring); on CUDA the
+    allocator's high-water mark over one step, less `other_bytes` (what a variant alive
+    beside it holds)."""
     if device.type == "cuda":
+        gc.collect()
+        torch.cuda.reset_peak_memory_stats(device)
         float(step(*batch))
-        return int(torch.cuda.max_memory_allocated(device))
+        return int(torch.cuda.max_memory_allocated(device)) - other_bytes
     from torch.profiler import ProfilerActivity, profile
 
     gc.collect()
@@ -626,9 +711,11 @@ def aggregate(per_rank: list[dict[str, Any]], job: _Job, optimizer: str,
     batch, tokens = r0["batch"], r0["tokens_per_sample"]
     measure = CUDA_MEASURE if job.cluster.device_type == "cuda" else CPU_MEASURE
     eager = _run("eager", "eager", [r0["eager"]], job.warmup, batch, tokens, measure)
-    compiled = _run("autohybrid", "compiled", [r["compiled"] for r in per_rank], job.warmup,
-                    batch, tokens, measure)
     info = r0["baseline"]
+    paired = [r["baseline"].get("paired_times") for r in per_rank]
+    compiled = _run("autohybrid", "compiled", [
+        {**r["compiled"], "times": p} if p else r["compiled"]
+        for r, p in zip(per_rank, paired)], job.warmup, batch, tokens, measure)
     if info["reason"]:
         baseline = Run(info["name"] if info["name"] != "n/a" else "baseline", "baseline",
                        available=False, reason=info["reason"], memory_measure=measure)
@@ -636,6 +723,9 @@ def aggregate(per_rank: list[dict[str, Any]], job: _Job, optimizer: str,
         baseline = _run(info["name"], "baseline", [r["baseline"] for r in per_rank],
                         job.warmup, batch, tokens, measure)
         baseline.reason = info.get("note", "")  # how it still differs from the plan
+        if all(paired):
+            compiled.paired_ratio = statistics.median(
+                a / b for a, b in zip(compiled.step_times_s, baseline.step_times_s) if b > 0)
     for run in (compiled, baseline):
         if run.available:
             run.loss_vs_eager = loss_check(run.losses, eager.losses, tolerance)
@@ -667,6 +757,7 @@ def _run(name: str, kind: str, ranks: list[dict], warmup: int, batch: int,
     rank's time; losses as every rank returns the global loss (rank 0's)."""
     times = [max(r["times"][i] for r in ranks) for i in range(warmup, len(ranks[0]["times"]))]
     stats = step_stats(times)
+    slowest = max(ranks, key=lambda r: r.get("profiled") or 0.0)
     exposed = [r["exposed"] for r in ranks]
     unknown = any(x is None for x in exposed)
     return Run(name=name, kind=kind, step_times_s=times, **stats,
@@ -678,7 +769,7 @@ def _run(name: str, kind: str, ranks: list[dict], warmup: int, batch: int,
                exposed_comm_note=_NO_TIMELINE if unknown else "",
                profiled_step_s=max((r["profiled"] for r in ranks if r.get("profiled")),
                                    default=None),
-               losses=list(ranks[0]["losses"]))
+               breakdown=slowest.get("breakdown"), losses=list(ranks[0]["losses"]))
 
 
 def step_stats(times: list[float]) -> dict[str, float]:
@@ -748,6 +839,10 @@ def format_table(result: BenchResult) -> str:
                                    for i, (c, w) in enumerate(zip(row, widths))))
     lines += [f"note: {run.name}: {run.reason}" for run in result.runs
               if run.available and run.reason]
+    paired = next((r.paired_ratio for r in result.runs if r.paired_ratio), None)
+    if paired and base is not None:
+        lines.append(f"paired: autohybrid ÷ {base.name}, adjacent steps, median "
+                     f"{paired:.3f} (< 1: faster)")
     check = result.loss_check or {}
     lines.append(f"losses vs eager: max |diff| {check.get('max_abs_diff', math.nan):.2e} "
                  f"(relative {check.get('max_rel_diff', math.nan):.2e}, tolerance "

@@ -106,6 +106,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="training dtype (default: the model's, float32); bf16 / fp16 "
                             "over float32 parameters is mixed precision (autocast), eager "
                             "and the baseline run under the same autocast")
+    bench.add_argument("--breakdown", action="store_true",
+                       help="profile 5 steps of each variant and print where the time goes "
+                            "(compute by kind, each collective exposed and hidden, optimizer) "
+                            "beside the cost model's parts")
     bench.add_argument("--no-baselines", action="store_true",
                        help="skip the hand-written PyTorch baseline")
     bench.add_argument("--out", default=None, help="write the results JSON to this file")
@@ -484,7 +488,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        constraints=_constraints(args.constrain) if args.constrain else None,
                        optimizer=args.optimizer, lr=args.lr, baselines=not args.no_baselines,
                        json_path=args.out, plot_path=args.plot,
-                       start_method=args.start_method)
+                       start_method=args.start_method, breakdown=args.breakdown)
     except (AutohybridError, ValueError, OSError) as exc:
         return _fail("bench", exc)
     try:
@@ -500,6 +504,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(result.to_json(), end="")
     else:
         print_bench(result.to_dict(), _console())
+        if args.breakdown:
+            print("\nwhere the time goes (median of the profiled steps, slowest rank):")
+            print(result.format_breakdown())
     return 0 if result.to_dict()["loss_check"]["ok"] else EXIT_FAILED
 
 

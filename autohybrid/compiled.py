@@ -47,6 +47,7 @@ from .runtime.capture_share import capture_once
 from .runtime.comm_device import bind as bind_comm_device
 from .runtime.device_check import from_env as check_collective_devices
 from .runtime.pretune import pretune, program_graphs, tuning_active
+from .passes.fusion import inline_where_eager
 from .runtime.safetensors_io import export_safetensors, import_safetensors
 from .runtime.checkpoint_state import (guard_optimizer_load, hook_whole_loads, load_compiled,
                                        save_compiled)
@@ -416,6 +417,8 @@ class CompiledModel:
             retarget_device(program.gm, self.device)
             for stage in program.pipeline.stages if program.pipeline is not None else ():
                 retarget_device(stage.gm, self.device)
+        if program.fused_regions:  # on CPU the op's eager path would recompute them
+            inline_where_eager(program_graphs(program), self.device)
         # the layout made from a forward graph gives way to the training graph's
         adopt = cap.with_loss and self._layout_from not in (None, "train")
         if self.sharded is not None and not adopt:

@@ -122,7 +122,17 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     controller = (getattr(session.config.option, "numprocesses", None)
                   and "PYTEST_XDIST_WORKER" not in os.environ)
     if PROCESS_FREE and not controller:
+        _warm_font_cache()
         _refuse_processes()
+
+
+def _warm_font_cache() -> None:
+    """matplotlib's first import on a machine builds its font cache by running `fc-list`:
+    build it before processes are refused (the tests' plots then import it process-free)."""
+    try:
+        import matplotlib.font_manager  # noqa: F401
+    except ImportError:
+        pass
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from autohybrid import baselines, cli
 from autohybrid.bench import (CPU_MEASURE, BenchError, _Job, aggregate, bench,
                               held_tensor_bytes, loss_check, step_stats, transient_peak)
 from autohybrid.errors import ClusterError, ModelError
+from autohybrid.report.breakdown import StepBreakdown
 from autohybrid.report.timeline import Timeline
 
 TINY = dict(layers=2, hidden=32, heads=2, vocab=64, seq=16)
@@ -72,7 +74,14 @@ def _check_data(data: dict, table: str, baseline: str, world: int = 2,
         assert len(run["peak_memory_bytes"]) == ranks and run["memory_measure"] == CPU_MEASURE
         assert len(run["losses"]) == STEPS + WARMUP and all(math.isfinite(x) for x in run["losses"])
         assert run["exposed_comm_s"] is not None and run["exposed_comm_s"] >= 0
+        parts = StepBreakdown.from_dict(run["breakdown"])  # the median profiled step
+        assert parts.step_s > 0 and 0 < parts.compute_s <= parts.step_s * 1.001, parts
+        assert 0 <= parts.waits_s <= parts.step_s and parts.ops["matmul"] > 0, parts
     eager = runs["eager"]
+    # the compiled run's steps are those paired with the baseline's, one after the other
+    paired = [a / b for a, b in zip(runs["autohybrid"]["step_times_s"],
+                                    runs[baseline]["step_times_s"])]
+    assert runs["autohybrid"]["paired_ratio"] == pytest.approx(statistics.median(paired))
     # one process holds the whole model, its gradients and the whole batch's activations
     assert eager["peak_memory_bytes"][0] > 2 * (model_bytes or _param_bytes())
     assert eager["exposed_comm_s"] == 0.0
@@ -102,9 +111,15 @@ def test_bench_dp_against_ddp_from_the_cli(tmp_path, capsys):
     code = cli.main(["bench", MODEL, "--cluster", "local:2", "--steps", str(STEPS),
                      "--warmup", str(WARMUP), "--constrain",
                      "dp=2,tp=1,pp=1,zero=0,num_microbatches=1", "--out", str(out),
-                     "--plot", str(svg), "--report", str(html), "--trace", str(trace)])
+                     "--plot", str(svg), "--report", str(html), "--trace", str(trace),
+                     "--breakdown"])
     printed = capsys.readouterr().out
     assert code == 0, printed
+    assert "paired: autohybrid ÷ DDP, adjacent steps, median" in printed
+    # --breakdown: both variants' parts beside the prediction, dp's all-reduce among them
+    table = printed[printed.index("where the time goes"):]
+    assert table.splitlines()[1].split() == ["ms", "eager", "autohybrid", "DDP", "predicted"]
+    assert "communication exposed" in table and "all_reduce exposed/hidden" in table
     data = json.loads(out.read_text())
     _check_data(data, printed, "DDP")
     assert svg.stat().st_size > 0 and "<svg" in svg.read_text()[:500]
@@ -246,6 +261,14 @@ def test_aggregate_takes_the_slowest_rank_and_reports_na():
         pytest.approx(0.1)
     row = next(l for l in result.format_table().splitlines() if l.startswith("autohybrid"))
     assert row.count("1.67×") == 2, row  # eager's and the baseline's 0.05 s / its 0.03 s
+    # paired: the compiled run's times are the steps run beside the baseline's
+    paired = {**base_raw, "exposed": 0.001}
+    result = aggregate([{**r0, "baseline": {**paired, "paired_times": [9, 0.1, 0.02, 0.04]}},
+                        {**r1, "baseline": {**paired, "paired_times": [9, 0.03, 0.03, 0.03]}}],
+                       _job(), "sgd")
+    assert result.run("autohybrid").step_times_s == [0.1, 0.03, 0.04]
+    assert result.run("autohybrid").paired_ratio == pytest.approx(0.8)  # of 2, 0.6, 0.8
+    assert "adjacent steps, median 0.800" in result.format_table()
     check = loss_check([4.0, 3.9], [4.0, 3.8], 1e-5)
     assert not check["ok"] and check["max_abs_diff"] == pytest.approx(0.1)
     assert not loss_check([math.nan], [4.0], 1e-5)["ok"]

@@ -308,6 +308,43 @@ def test_fusion_reaches_into_checkpointed_regions_and_pipeline_stages():
     assert _ops(gm).count(FUSED) == 5
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("constraints", [None, ah.Constraints(recompute="full")],
+                         ids=["plain", "checkpointed"])
+def test_inlined_regions_are_the_unfused_graph_again(constraints):
+    """`inline_regions` (what a CPU rank without Triton's interpreter runs: the regions'
+    eager path would recompute them in backward) leaves no region, in checkpointed
+    submodules too, the unfused graph's ops, and its outputs and gradients."""
+    from autohybrid.passes.fusion import inline_regions
+
+    gm, _ = _rewrite("gpt-tiny", constraints)
+    ref, _ = _rewrite("gpt-tiny", constraints, fusion=False)
+    everything = lambda g: [o for m in g.modules() if isinstance(m, fx.GraphModule)  # noqa: E731
+                            for o in _ops(m) if o != "getitem"]
+    regions = everything(gm).count(FUSED)
+    assert regions > 0 and inline_regions(gm) == regions
+    assert FUSED not in everything(gm)
+    assert sorted(everything(gm)) == sorted(everything(ref))
+    torch.manual_seed(0)
+    shape = lambda v: [d if isinstance(d, int) else d.node.hint for d in v.shape]  # noqa: E731
+    args = [torch.randn(shape(v), dtype=v.dtype, requires_grad=True) if v.is_floating_point()
+            else torch.randint(0, 64, shape(v), dtype=v.dtype)
+            for v in (n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder")]
+    floats = [a for a in args if a.requires_grad]
+
+    def run(g):
+        outs = [o for o in torch.utils._pytree.tree_leaves(g(*args))
+                if isinstance(o, torch.Tensor) and o.is_floating_point()]
+        return outs, torch.autograd.grad(sum(o.sum() for o in outs), floats,
+                                         allow_unused=True)
+    (got, got_grads), (want, want_grads) = run(gm), run(ref)
+    assert len(got) == len(want) > 0
+    for a, b in zip(got + list(got_grads), want + list(want_grads)):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 # ============================================================================ equivalence
 def _count_launches() -> list[bool]:
     """Record every fused-kernel launch (its `interpret` flag) in this process."""

@@ -50,7 +50,8 @@ from ..codegen.lower import supported as _supported
 from ..errors import RuntimeFailure
 
 __all__ = ["KernelInfo", "UnsupportedRegion", "fused_region", "fused_region_backward",
-           "is_reduction", "kernels", "register_region", "supported"]
+           "is_reduction", "kernels", "region_graph", "register_region", "runs_eagerly",
+           "supported"]
 
 
 def supported(node: fx.Node) -> bool:
@@ -198,6 +199,19 @@ def _region(key: str) -> _Region:
             "ops.fused.register_region when the passes run — run the fusion pass in this "
             "process (every rank runs its own passes) before running its graph")
     return region
+
+
+def region_graph(key: str) -> fx.GraphModule:
+    """The ATen graph of the region registered under `key` (placeholders: its inputs;
+    output: the tuple of its outputs)."""
+    return _region(key).gm
+
+
+def runs_eagerly(device: torch.device) -> bool:
+    """Whether regions on `device` would run their own ATen ops (CPU without Triton's
+    interpreter): the runtime then puts those ops back in the graph instead
+    (passes/fusion.py `inline_regions`), since the op's eager backward recomputes them."""
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
 def _mode(tensors: list[torch.Tensor]) -> str:

@@ -392,3 +392,57 @@ def _replace(gm: fx.GraphModule, members: list[fx.Node], inputs: list[fx.Node],
         anchor = get
     for m in reversed(members):
         gm.graph.erase_node(m)
+
+
+# ------------------------------------------------------------------ undoing it for eager runs
+
+def inline_where_eager(graphs: list[fx.GraphModule], device: torch.device) -> int:
+    """`inline_regions` on each of a rank's `graphs` when its regions would run eagerly on
+    `device` (`ops.fused.runs_eagerly`); how many regions were inlined. What the runtime
+    runs on such a device, and what the dry run shows of it."""
+    from ..ops.fused import runs_eagerly
+
+    return sum(inline_regions(gm) for gm in graphs) if runs_eagerly(device) else 0
+
+
+def inline_regions(gm: fx.GraphModule) -> int:
+    """Put every fused region of `gm` and of the graph modules it holds (checkpointed
+    regions) back as its own ATen ops, in place; how many regions were inlined.
+
+    For a rank whose regions would run eagerly (`ops.fused.runs_eagerly`: CPU without
+    Triton's interpreter), where the op computes the region's ops and its backward
+    computes them again to differentiate them: inlined, autograd saves what it needs
+    once, as in eager. The same function either way (the region's graph is the ops the
+    pass took out); `ctx.notes["fusion"]` still records the regions found."""
+    from ..ops.fused import region_graph
+
+    count = 0
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        graph = module.graph
+        changed = False
+        for node in list(graph.nodes):
+            if node.op != "call_function" or \
+                    node.target is not torch.ops.autohybrid.fused_region.default:
+                continue
+            inputs, key = node.args
+            region = region_graph(key).graph
+            env: dict[fx.Node, fx.Node] = {}
+            placeholders = [n for n in region.nodes if n.op == "placeholder"]
+            env.update(zip(placeholders, inputs))
+            with graph.inserting_before(node):
+                for member in region.nodes:
+                    if member.op == "call_function":
+                        env[member] = graph.node_copy(member, lambda a: env[a])
+            outputs = next(n for n in region.nodes if n.op == "output").args[0]
+            for user in list(node.users):
+                user.replace_all_uses_with(env[outputs[user.args[1]]])
+                graph.erase_node(user)
+            graph.erase_node(node)
+            count += 1
+            changed = True
+        if changed:
+            module.recompile()
+    return count
+

@@ -326,6 +326,10 @@ def _caption(runs: Sequence[Mapping[str, Any]], eager: Mapping[str, Any] | None,
                        if r.get("available") and r.get("memory_measure")})
     if measures:
         notes.append(f"peak memory: {', '.join(measures)}, largest rank")
+    paired = next((r.get("paired_ratio") for r in runs if r.get("paired_ratio")), None)
+    if paired and baseline:
+        notes.append(f"paired: autohybrid ÷ {baseline['name']}, adjacent steps, median "
+                     f"{paired:.3f} (< 1: faster)")
     return "\n".join(notes) or None
 
 

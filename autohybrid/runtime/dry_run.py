@@ -57,6 +57,7 @@ from ..cluster import Cluster
 from ..cost.memory import dtype_bytes, training_state
 from ..errors import AutohybridError, NoPlanFitsError, NotExecutableError, PlanError
 from ..graph import AH_PARAM, AH_ROLE, VAL, op_name
+from ..passes.fusion import inline_where_eager
 from ..plan import Constraints, Plan
 from ..planning import make_plan
 from ..program import RankProgram
@@ -66,6 +67,7 @@ from ..search.space import ModelProfile
 from ..search.space import profile as model_profile
 from ..search.tp_choice import Rates
 from ..trial import PassTrial
+from .pretune import program_graphs
 
 #: The autohybrid ops that talk over the tp axis, as counted in a rank's program.
 COLLECTIVES = ("tp_copy", "tp_reduce", "tp_gather", "tp_split", "tp_replicated",
@@ -191,6 +193,8 @@ def dry_run(model: nn.Module, cluster: Cluster, example_inputs: Any,
     timings["plan"] = time.perf_counter() - start - passes
     if program is None:
         program = rewrite(train, plan, rank, fake_groups=True)
+    if program.fused_regions:  # as the runtime runs them on this cluster's device
+        inline_where_eager(program_graphs(program), torch.device(cluster.device_type))
     timings["passes"] = sum(program.pass_seconds.values())
 
     start = time.perf_counter()

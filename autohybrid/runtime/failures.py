@@ -105,15 +105,24 @@ def _record_dir() -> Path | None:
 
 
 def record_step(step: int) -> None:
-    """Record that this rank completed `step` train_steps (no-op outside ah.launch)."""
+    """Record that this rank completed `step` train_steps (no-op outside ah.launch): one
+    fixed-width write at the start of a file kept open (no temporary file and rename per
+    step: this runs in every step), which `read_steps` parses whole."""
     where = _record_dir()
     if where is None:
         return
-    rank = os.environ.get("RANK", "0")
+    path = where / f"step{os.environ.get('RANK', '0')}"
     with contextlib.suppress(OSError):  # a record is a hint: never fail a step for it
-        tmp = where / f"step{rank}.tmp"
-        tmp.write_text(str(int(step)))
-        os.replace(tmp, where / f"step{rank}")
+        if _RECORD[0] != path:  # a new launch (warm processes serve several)
+            stale, _RECORD[:] = _RECORD[1], [None, None]
+            if stale is not None:
+                os.close(stale)
+            _RECORD[:] = [path, os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)]
+        os.pwrite(_RECORD[1], f"{int(step):020d}".encode(), 0)
+
+
+#: the record file this process writes now and its open descriptor
+_RECORD: list = [None, None]
 
 
 def read_steps(where: str | os.PathLike, world_size: int) -> dict[int, int]:

@@ -69,6 +69,9 @@ class Bucket:
     flat: torch.Tensor | None = None
     work: object | None = None
     has_grad: list[bool] = field(default_factory=list)
+    #: ZeRO 0: the flat buffer kept across steps (`flat` while launched): packing into it
+    #: allocates nothing (a fresh buffer per step costs its allocation and page faults)
+    store: torch.Tensor | None = None
 
 
 @dataclass
@@ -241,7 +244,13 @@ class GradReducer:
         if self.reduce_dtype is not None:
             grads = [g.to(self.reduce_dtype) for g in grads]
         if self.shards is None:
-            bucket.flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = [g.reshape(-1) for g in grads]
+            numel = sum(g.numel() for g in flat)
+            store = bucket.store
+            if store is None or store.numel() != numel or store.dtype != flat[0].dtype \
+                    or store.device != flat[0].device:
+                store = bucket.store = flat[0].new_empty(numel)
+            bucket.flat = torch.cat(flat, out=store)
             if self.world > 1:
                 bucket.work = (self.all_reduce.start(bucket.flat) if self.all_reduce is not None
                                else dist.all_reduce(bucket.flat, group=self.group,
@@ -314,7 +323,11 @@ class GradReducer:
             for p in bucket.params:
                 n = p.numel()
                 if p.grad is not None:  # frozen or unused: no gradient, as in eager
-                    p.grad.copy_(bucket.flat[offset:offset + n].view_as(p).mul(scale))
+                    part = bucket.flat[offset:offset + n].view_as(p)
+                    if p.grad.dtype == part.dtype and p.grad.is_contiguous():
+                        torch.mul(part, scale, out=p.grad)  # one pass, no temporary
+                    else:
+                        p.grad.copy_(part.mul(scale))
                 offset += n
             bucket.flat, bucket.work = None, None  # the next step starts from its own grads
         self.active = False
