@@ -213,6 +213,9 @@ class Alternative:
     fits: bool
     executable: bool | None
     reason: str
+    #: the choices that make this plan again: `ah.plan(..., constraints=alt.constraints)`
+    #: prices this layout alone (the stage split, found again, is the same)
+    constraints: "Constraints | None" = None
 
 
 @dataclass(frozen=True)
@@ -565,7 +568,8 @@ def _check_collective_matmul(plan: Plan) -> None:
 # ---------------------------------------------------------------------- JSON helpers
 #: fields added since FORMAT_VERSION 1 was first written: a plan file without them reads
 #: as their default
-_ADDED_FIELDS = {"Plan": ("params_hash",), "Mesh": ("spatial",)}
+_ADDED_FIELDS = {"Plan": ("params_hash",), "Mesh": ("spatial",),
+                 "Alternative": ("constraints",)}
 
 
 def _to_jsonable(obj: Any) -> Any:

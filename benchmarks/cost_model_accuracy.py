@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import autohybrid as ah
+from _ranking import kendall_tau
 
 C = ah.Constraints
 
@@ -136,15 +137,6 @@ def measure(rows: list[Row], steps: int, rounds: int, profile: ah.Profile | None
                 results[i]["cpu"] += [max(t) for t in zip(*(x["cpu"] for x in ranks))]
                 results[i].update(predicted=ranks[0]["predicted"], plan=ranks[0]["plan"])
     return results
-
-
-def kendall_tau(xs: list[float], ys: list[float]) -> float:
-    pairs = concordant = 0
-    for i in range(len(xs)):
-        for j in range(i + 1, len(xs)):
-            pairs += 1
-            concordant += 1 if (xs[i] - xs[j]) * (ys[i] - ys[j]) > 0 else -1
-    return concordant / pairs if pairs else 0.0
 
 
 def oversubscribed(row: Row) -> bool:

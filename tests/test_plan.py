@@ -288,6 +288,36 @@ def test_alternatives_carry_reasons(tiny_plan: Plan) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_an_alternatives_constraints_make_that_plan_again(tiny_plan: Plan) -> None:
+    """`alt.constraints` pin its whole layout: planning under them prices that layout
+    alone, to the same prediction (benchmarks/plan_choice.py runs alternatives so); they
+    survive the JSON round trip, and a plan written before the field reads as None."""
+    model = models.preset("gpt-tiny")
+    inputs, _ = models.example_batch("gpt-tiny", 8)
+    tried = 0
+    for alt in tiny_plan.alternatives:
+        if not alt.fits or alt.executable is False:
+            continue
+        again = ah.plan(model, ah.Cluster.local(4), inputs, constraints=alt.constraints)
+        assert again.predicted.step_time_s == alt.step_time_s, (alt.summary, again.summary())
+        assert again.mesh.describe() in alt.summary and not again.alternatives
+        assert f"microbatch {again.microbatch_size}×{again.num_microbatches}" in alt.summary
+        assert f" zero{again.zero} recompute={again.recompute}" in alt.summary
+        if again.mesh.pp > 1:
+            assert f" {again.schedule}" in alt.summary
+        tried += 1
+        if tried == 3:
+            break
+    assert tried == 3
+    back = Plan.from_json(tiny_plan.to_json())
+    assert back.alternatives == tiny_plan.alternatives
+    data = tiny_plan.to_dict()
+    for alt in data["alternatives"]:
+        del alt["constraints"]
+    assert all(a.constraints is None for a in Plan.from_dict(data).alternatives)
+
+
+@pytest.mark.timeout(60)
 def test_planning_is_deterministic(tiny_plan: Plan) -> None:
     torch.manual_seed(123)  # other parameter values: the same plan
     model = models.preset("gpt-tiny")

@@ -603,8 +603,23 @@ def _alternatives(best: Candidate, candidates: list[Candidate]) -> tuple[Alterna
         executable = False if (c.rejected is not None or not c.executable) else None
         out.append(Alternative(summary=c.summary(), step_time_s=c.step,
                                memory_per_rank_bytes=p.memory_per_rank_bytes, fits=c.fits,
-                               executable=executable, reason=reason))
+                               executable=executable, reason=reason,
+                               constraints=layout_constraints(c)))
     return tuple(out)
+
+
+def layout_constraints(c: Candidate) -> Constraints:
+    """Constraints that pin every choice of `c`'s layout (its priced bucket size too):
+    searching under them prices this layout alone, so `ah.plan` makes this plan again."""
+    lay, mesh = c.layout, c.layout.mesh
+    return Constraints(dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, sp=mesh.sp, spatial=mesh.spatial,
+                       microbatch_size=lay.microbatch_size,
+                       num_microbatches=lay.num_microbatches,
+                       schedule=lay.schedule if mesh.pp > 1 else None,
+                       virtual_stages=lay.virtual_stages, recompute=lay.recompute,
+                       zero=lay.zero, bucket_mb=c.priced.bucket_mb,
+                       collective_algorithm=lay.collective_algorithm,
+                       collective_matmul=lay.collective_matmul)
 
 
 #: an alternative the runtime could run whose passes were not run (only the chosen plan
