@@ -9,6 +9,15 @@ The cost model keeps its documented efficiencies; a profile replaces the cluster
 and link figures so that efficiency × figure equals what was measured here (`apply`).
 Collectives are timed on real processes (`ah.launch`), α and β fitted by least squares on
 the ring all-reduce formula T(n) = 2(p−1)α + 2(p−1)/p · n · β.
+
+A collective costs more inside a training step than alone: on CPU the ranks' compute and
+gloo's threads share the cores, and each collective waits out the skew its peers' compute
+left. So each collective kind the runtime issues (`COLLECTIVE_KINDS`) is also timed as it
+runs in training, between matmuls (`CONTEXT_MATMUL`): the time a loop of matmul +
+collective takes beyond the same loop without the collective, per collective. α and β per
+kind are fitted from those (all-gather and reduce-scatter on the ring formula (p−1)α +
+(p−1)/p · n · β) and priced by kind (`Profile.collectives`, hardware.LinkSpec.collectives,
+cost/comm.py). On CUDA, where NCCL runs on its own stream, each kind is timed alone.
 """
 from __future__ import annotations
 
@@ -19,7 +28,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,6 +46,12 @@ ALL_REDUCE_SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
 CPU_MATMULS: tuple = (256, 512, 1024)
 CUDA_MATMULS: tuple = (4096, 8192, (8192, 2048, 6144), (8192, 2048, 8192), (8192, 8192, 2048))
 CUDA_DTYPES = (torch.float32, torch.bfloat16)
+#: collectives timed in a step's context, per kind; priced by kind (cost/comm.py)
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+#: the compute between two timed collectives on CPU: (m, k, n), run 4 times (a layer's
+#: few matmuls; about 10 ms on one core of these machines)
+CONTEXT_MATMUL = (1024, 256, 1024)
+CONTEXT_ITERATIONS = 8
 
 
 @dataclass(frozen=True)
@@ -51,6 +66,8 @@ class Profile:
     all_reduce_bandwidth: float | None = None      # 1/β, bytes/s
     launch_overhead_s: float | None = None         # per op: dispatch + launch of a tiny op
     samples: dict[str, list[float]] = field(default_factory=dict)
+    #: collective kind → [α seconds, bandwidth bytes/s] timed in a step's context
+    collectives: dict[str, list[float]] = field(default_factory=dict)
     version: int = PROFILE_VERSION
 
     def hash(self) -> str:
@@ -99,7 +116,9 @@ class Profile:
             link = LinkSpec(name=f"{cluster.intra_link.name}-calibrated",
                             bandwidth=self.all_reduce_bandwidth,
                             latency_s=self.all_reduce_latency_s,
-                            source=f"calibrated on {self.machine} ({self.hash()})")
+                            source=f"calibrated on {self.machine} ({self.hash()})",
+                            collectives=tuple((kind, bandwidth, latency) for kind, (
+                                latency, bandwidth) in sorted(self.collectives.items())))
             out = replace(out, intra_link=link)
         return out
 
@@ -230,6 +249,59 @@ def _time_all_reduce(sizes: Sequence[int], repeats: int, device: str = "cpu") ->
     return out
 
 
+def _collective(kind: str, nbytes: int, world: int, device: torch.device) -> Callable:
+    """One call of collective `kind` moving `nbytes` (the whole tensor: all-reduced, the
+    gathered output, the scattered input), the device synchronized after it."""
+    numel = max(world, nbytes // 4 // world * world)
+    whole = torch.zeros(numel, device=device)
+    part = torch.zeros(numel // world, device=device)
+    run = {"all_reduce": lambda: dist.all_reduce(whole),
+           "all_gather": lambda: dist.all_gather_into_tensor(whole, part),
+           "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole)}[kind]
+
+    def call():
+        run()
+        if whole.is_cuda:
+            torch.cuda.synchronize(whole.device)
+    return call
+
+
+def _time_in_context(sizes: Sequence[int], repeats: int, device: torch.device
+                     ) -> dict[str, list[float]]:
+    """Seconds per collective of each kind and size as training runs it (see the module
+    docstring): (loop with it − loop without) / iterations, each loop's median over
+    `repeats`, all ranks together; on CUDA no compute in between (the collective alone)."""
+    world = dist.get_world_size()
+    if device.type == "cuda":
+        compute = lambda: None  # noqa: E731
+    else:
+        m, k, n = CONTEXT_MATMUL
+        a, b = torch.randn(m, k), torch.randn(k, n)
+
+        def compute():
+            for _ in range(4):
+                torch.mm(a, b)
+
+    def loop(op: Callable) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(CONTEXT_ITERATIONS):
+            compute()
+            op()
+        return time.perf_counter() - start
+
+    out = {}
+    for kind in COLLECTIVE_KINDS:
+        out[kind] = []
+        for nbytes in sizes:
+            op = _collective(kind, nbytes, world, device)
+            op()  # warm-up: the first call of a kind and size sets its buffers up
+            # each loop with the collective beside one without: drift falls on both
+            extra = [loop(op) - loop(lambda: None) for _ in range(repeats)]
+            out[kind].append(max(statistics.median(extra) / CONTEXT_ITERATIONS, 1e-7))
+    return out
+
+
 def _measure(rank: int, matmul_sizes: Sequence, dtypes: Sequence[torch.dtype],
              repeats: int, all_reduce_sizes: Sequence[int], device: str) -> dict:
     """One rank's figures; all ranks measure at once, as they will train (contention)."""
@@ -239,6 +311,8 @@ def _measure(rank: int, matmul_sizes: Sequence, dtypes: Sequence[torch.dtype],
               "launch_s": measure_launch_overhead(repeats=repeats, device=device)}
     if dist.is_initialized() and dist.get_world_size() > 1:
         result["all_reduce_s"] = _time_all_reduce(all_reduce_sizes, max(repeats, 20),
+                                                  _rank_device(device))
+        result["in_context_s"] = _time_in_context(all_reduce_sizes, max(repeats, 5),
                                                   _rank_device(device))
     return result
 
@@ -278,7 +352,18 @@ def calibrate(cluster: Cluster | None = None, *, matmul_sizes: Sequence | None =
         return profile
     times = [max(r["all_reduce_s"][i] for r in results) for i in range(len(all_reduce_sizes))]
     alpha, beta = fit_alpha_beta(all_reduce_sizes, times, len(results))
+    samples = {"all_reduce_bytes": [float(s) for s in all_reduce_sizes], "all_reduce_s": times}
+    collectives = {}
+    for kind in COLLECTIVE_KINDS:
+        kind_times = [max(r["in_context_s"][kind][i] for r in results)
+                      for i in range(len(all_reduce_sizes))]
+        samples[f"{kind}_in_context_s"] = kind_times
+        # a ring all-gather / reduce-scatter takes half an all-reduce's terms: fit 2T
+        factor = 1.0 if kind == "all_reduce" else 2.0
+        a, b = fit_alpha_beta(all_reduce_sizes, [factor * t for t in kind_times],
+                              len(results))
+        if b > 0:
+            collectives[kind] = [a, 1 / b]
     return replace(profile, all_reduce_latency_s=alpha,
                    all_reduce_bandwidth=(1 / beta) if beta > 0 else None,
-                   samples={"all_reduce_bytes": [float(s) for s in all_reduce_sizes],
-                            "all_reduce_s": times})
+                   samples=samples, collectives=collectives)

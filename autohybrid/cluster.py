@@ -160,17 +160,19 @@ class Cluster:
             raise ClusterError("a collective needs at least one rank; got an empty rank list")
         return locations
 
-    def link_for(self, ranks: Iterable[int]) -> LinkView:
+    def link_for(self, ranks: Iterable[int], kind: str | None = None) -> LinkView:
         """The link a collective among `ranks` uses, and how many of them share one NIC.
 
-        All on one node: the intra-node link, sharing 1. Across nodes: one NIC's bandwidth
-        and the inter-node latency; nic_sharing_factor is the largest number of these
-        ranks attached to one NIC (devices_per_node / nics_per_node when a whole node of
-        ranks takes part and the node has fewer NICs than devices).
+        All on one node: the intra-node link, sharing 1 (with the figures measured for
+        collective `kind` where calibration measured it: `LinkSpec.figures`). Across
+        nodes: one NIC's bandwidth and the inter-node latency; nic_sharing_factor is the
+        largest number of these ranks attached to one NIC (devices_per_node /
+        nics_per_node when a whole node of ranks takes part and the node has fewer NICs
+        than devices).
         """
         locations = self._locations(ranks)
         if len({node for node, _ in locations}) == 1:
-            return LinkView(self.intra_link.bandwidth, self.intra_link.latency_s, 1.0)
+            return LinkView(*self.intra_link.figures(kind), 1.0)
         assert self.inter_link is not None  # nodes > 1 implies an inter_link (validated)
         per_nic: dict[tuple[int, int], int] = {}
         for node, local in locations:

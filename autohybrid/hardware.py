@@ -168,6 +168,10 @@ class LinkSpec:
     bandwidth: float  # bytes/s per direction
     latency_s: float
     source: str
+    #: (kind, bandwidth, latency_s) of collectives measured apart on this link
+    #: (calibrate.py: all_reduce, all_gather, reduce_scatter, each interleaved with
+    #: compute as training runs them); a kind not listed uses `bandwidth`, `latency_s`
+    collectives: tuple[tuple[str, float, float], ...] = ()
 
     def __post_init__(self) -> None:
         _check_positive(f"link {self.name!r}", "bandwidth", self.bandwidth)
@@ -175,14 +179,39 @@ class LinkSpec:
                 or self.latency_s < 0:
             raise ClusterError(f"link {self.name!r}: field 'latency_s' must be a number >= 0 "
                                f"(seconds), got {self.latency_s!r}")
+        for entry in self.collectives:
+            if not (isinstance(entry, (tuple, list)) and len(entry) == 3
+                    and isinstance(entry[0], str)
+                    and all(isinstance(x, (int, float)) and not isinstance(x, bool)
+                            for x in entry[1:]) and entry[1] > 0 and entry[2] >= 0):
+                raise ClusterError(f"link {self.name!r}: each of 'collectives' is [kind, "
+                                   f"bandwidth > 0, latency_s >= 0], got {entry!r}")
+        object.__setattr__(self, "collectives",
+                           tuple((str(k), float(b), float(t)) for k, b, t in self.collectives))
+
+    def figures(self, kind: str | None = None) -> tuple[float, float]:
+        """(bandwidth, latency_s) of collective `kind` on this link (None: the link's)."""
+        for name, bandwidth, latency in self.collectives:
+            if name == kind:
+                return bandwidth, latency
+        return self.bandwidth, self.latency_s
 
     @classmethod
     def from_dict(cls, data: object, where: str = "link") -> LinkSpec:
-        """A LinkSpec from its JSON object (as `dataclasses.asdict` writes it), checked."""
+        """A LinkSpec from its JSON object (as `dataclasses.asdict` writes it), checked;
+        `collectives` may be absent (files written before it existed)."""
         types = {"name": (str,), "bandwidth": JSON_NUMBER, "latency_s": JSON_NUMBER,
                  "source": (str,)}
+        extra = ()
+        if isinstance(data, dict) and "collectives" in data:
+            data = dict(data)
+            extra = data.pop("collectives")
+            if not isinstance(extra, (list, tuple)):
+                raise ClusterError(f"cluster JSON: {where}.collectives must be a list of "
+                                   f"[kind, bandwidth, latency_s], got {extra!r}")
         f = checked_fields(data, types, where, prefix=f"{where}.")
-        return cls(f["name"], float(f["bandwidth"]), float(f["latency_s"]), f["source"])
+        return cls(f["name"], float(f["bandwidth"]), float(f["latency_s"]), f["source"],
+                   tuple(tuple(e) if isinstance(e, (list, tuple)) else e for e in extra))
 
 
 def _flops(fp64: float, fp32: float, tf32: float, bf16: float, fp16: float) -> dict[str, float]:

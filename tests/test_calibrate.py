@@ -8,7 +8,7 @@ import pytest
 import torch.nn.functional as F
 
 import autohybrid as ah
-from autohybrid.calibrate import Profile, calibrate, fit_alpha_beta
+from autohybrid.calibrate import COLLECTIVE_KINDS, Profile, calibrate, fit_alpha_beta
 from autohybrid.cost.compute import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
 from autohybrid.errors import AutohybridError
 
@@ -76,6 +76,38 @@ def test_apply_makes_efficiency_times_figure_equal_the_measurement():
     assert again.device.launch_overhead_s == 3e-5
 
 
+@pytest.mark.timeout(30)
+def test_collectives_measured_apart_are_priced_by_kind():
+    """A profile's per-kind figures reach the link (and its JSON); cost/comm.py prices each
+    kind with its own α, β and anything else with the link's; without them sequence
+    parallelism's reduce-scatter + all-gather cost exactly the all-reduce they replace."""
+    from autohybrid.cost import comm
+    from autohybrid.hardware import LinkSpec
+    from autohybrid.search.pricing import LinkCache
+
+    kinds = {"all_reduce": [2e-3, 1e9], "all_gather": [3e-3, 5e8],
+             "reduce_scatter": [5e-3, 2.5e8]}
+    cluster = _profile(collectives=kinds).apply(ah.Cluster.local(2))
+    assert cluster.intra_link.figures("all_gather") == (5e8, 3e-3)
+    assert cluster.intra_link.figures("send_recv") == (2e9, 1e-4)  # the link's own
+    assert ah.Cluster.from_json(cluster.to_json()) == cluster
+    n, ranks = 1 << 20, [0, 1]
+    for priced in (cluster, LinkCache(cluster)):  # directly and through the search's memo
+        assert comm.all_reduce(priced, ranks, n) == pytest.approx(2 * 2e-3 + n / 1e9)
+        assert comm.all_gather(priced, ranks, n) == pytest.approx(3e-3 + n / 2 / 5e8)
+        assert comm.reduce_scatter(priced, ranks, n) == pytest.approx(5e-3 + n / 2 / 2.5e8)
+        assert comm.send_recv(priced, ranks, n) == pytest.approx(1e-4 + n / 2e9)
+    plain = _profile().apply(ah.Cluster.local(2))
+    assert comm.reduce_scatter(plain, ranks, n) + comm.all_gather(plain, ranks, n) == \
+        pytest.approx(comm.all_reduce(plain, ranks, n), rel=1e-12)
+    # a cluster JSON written before the field reads as no per-kind figures; bad ones refused
+    data = json.loads(cluster.to_json())
+    del data["intra_link"]["collectives"]
+    assert ah.Cluster.from_json(json.dumps(data)).intra_link.collectives == ()
+    with pytest.raises(ah.ClusterError, match="collectives"):
+        LinkSpec("l", 1e9, 1e-5, "s", (("all_gather", -1.0, 1e-5),))
+
+
 @pytest.mark.timeout(60)
 def test_a_calibrated_launch_overhead_prices_every_op_and_optimizer_tensor():
     """The step time grows by the overhead difference × (3 × ops per layer + AdamW's 10
@@ -109,6 +141,12 @@ def test_calibrate_measures_two_local_ranks_and_plans_use_it():
     assert profile.memory_bandwidth > 1e8
     assert profile.all_reduce_latency_s is not None and len(profile.samples["all_reduce_s"]) == 4
     assert 1e-8 < profile.launch_overhead_s < 1e-3
+    # every kind the runtime issues, timed between matmuls, fitted to positive α and 1/β
+    assert sorted(profile.collectives) == sorted(COLLECTIVE_KINDS)
+    for kind, (latency, bandwidth) in profile.collectives.items():
+        assert latency >= 0 and bandwidth > 0
+        assert len(profile.samples[f"{kind}_in_context_s"]) == 4
+    assert Profile.from_json(profile.to_json()) == profile
     model = ah.models.preset("gpt-tiny")
     (tokens,), _ = ah.models.example_batch(model, 8)
     plain = ah.plan(model, ah.Cluster.local(2), (tokens,), executable_only=True)

@@ -13,14 +13,18 @@ from typing import Protocol, Sequence
 class _Cluster(Protocol):
     devices_per_node: int
 
-    def link_for(self, ranks: Sequence[int]) -> tuple[float, float, float]: ...
+    def link_for(self, ranks: Sequence[int], kind: str | None = None
+                 ) -> tuple[float, float, float]: ...
 
 
-def _link(cluster: _Cluster, ranks: Sequence[int]) -> tuple[float, float]:
+def _link(cluster: _Cluster, ranks: Sequence[int], kind: str | None = None
+          ) -> tuple[float, float]:
+    """(α, β) of collective `kind` on `ranks`: the link's figures for that kind where a
+    calibration measured it apart (hardware.LinkSpec.collectives), else the link's."""
     cached = getattr(cluster, "alpha_beta", None)  # the search's LinkCache: memoized
     if cached is not None:
-        return cached(ranks)
-    bandwidth, latency, sharing = cluster.link_for(list(ranks))
+        return cached(ranks, kind)
+    bandwidth, latency, sharing = cluster.link_for(list(ranks), kind)
     return latency, sharing / bandwidth  # α, β (seconds per byte, slowed by NIC sharing)
 
 
@@ -29,29 +33,38 @@ def all_reduce(cluster: _Cluster, ranks: Sequence[int], nbytes: float,
     p = len(ranks)
     if p <= 1 or nbytes <= 0:
         return 0.0
-    alpha, beta = _link(cluster, ranks)
+    alpha, beta = _link(cluster, ranks, "all_reduce")
     if algorithm == "tree":
         import math
         return 2 * math.log2(p) * alpha + 2 * nbytes * beta
     return 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes * beta
 
 
-def all_gather(cluster: _Cluster, ranks: Sequence[int], nbytes: float) -> float:
-    """`nbytes` is the size of the full (gathered) output."""
+def _ring(cluster: _Cluster, ranks: Sequence[int], nbytes: float, kind: str) -> float:
     p = len(ranks)
     if p <= 1 or nbytes <= 0:
         return 0.0
-    alpha, beta = _link(cluster, ranks)
+    alpha, beta = _link(cluster, ranks, kind)
     return (p - 1) * alpha + (p - 1) / p * nbytes * beta
 
 
-reduce_scatter = all_gather  # same ring cost; `nbytes` is the full input
-all_to_all = all_gather
+def all_gather(cluster: _Cluster, ranks: Sequence[int], nbytes: float) -> float:
+    """`nbytes` is the size of the full (gathered) output."""
+    return _ring(cluster, ranks, nbytes, "all_gather")
 
 
-def ring_latency(cluster: _Cluster, ranks: Sequence[int]) -> float:
-    """The latency part of a ring all-gather or reduce-scatter: (p − 1) α."""
-    return (len(ranks) - 1) * _link(cluster, ranks)[0] if len(ranks) > 1 else 0.0
+def reduce_scatter(cluster: _Cluster, ranks: Sequence[int], nbytes: float) -> float:
+    """The ring cost of an all-gather; `nbytes` is the full input."""
+    return _ring(cluster, ranks, nbytes, "reduce_scatter")
+
+
+def all_to_all(cluster: _Cluster, ranks: Sequence[int], nbytes: float) -> float:
+    return _ring(cluster, ranks, nbytes, "all_to_all")
+
+
+def ring_latency(cluster: _Cluster, ranks: Sequence[int], kind: str = "all_gather") -> float:
+    """The latency part of a ring all-gather (or reduce-scatter): (p − 1) α."""
+    return (len(ranks) - 1) * _link(cluster, ranks, kind)[0] if len(ranks) > 1 else 0.0
 
 
 #: chunk counts a collective matmul is priced with (ops/collective_matmul.py)
@@ -83,7 +96,7 @@ def latency_bytes(cluster: _Cluster, ranks: Sequence[int]) -> float:
     than this costs its latency whatever its size, so merging such ones saves time."""
     if len(ranks) <= 1:
         return 0.0
-    alpha, beta = _link(cluster, ranks)
+    alpha, beta = _link(cluster, ranks, "all_gather")
     return alpha / beta
 
 
@@ -91,7 +104,7 @@ def broadcast(cluster: _Cluster, ranks: Sequence[int], nbytes: float) -> float:
     p = len(ranks)
     if p <= 1 or nbytes <= 0:
         return 0.0
-    alpha, beta = _link(cluster, ranks)
+    alpha, beta = _link(cluster, ranks, "broadcast")
     import math
     return math.ceil(math.log2(p)) * (alpha + nbytes * beta)
 
@@ -103,12 +116,12 @@ def halo_exchange(cluster: _Cluster, ranks: Sequence[int], nbytes: float) -> flo
     p = len(ranks)
     if p <= 1 or nbytes <= 0:
         return 0.0
-    alpha, beta = _link(cluster, ranks)
+    alpha, beta = _link(cluster, ranks, "all_to_all")
     return (p - 1) * alpha + nbytes * beta
 
 
 def send_recv(cluster: _Cluster, ranks: Sequence[int], nbytes: float) -> float:
-    alpha, beta = _link(cluster, ranks)
+    alpha, beta = _link(cluster, ranks, "send_recv")
     return alpha + nbytes * beta
 
 
@@ -145,7 +158,7 @@ def _hierarchy_steps(cluster: _Cluster, groups: Sequence[Sequence[int]],
     local, nodes = groups[0], len(groups)
     g = len(local)
     intra = reduce_scatter(cluster, local, nbytes)
-    alpha, beta = _link(cluster, ranks)
+    alpha, beta = _link(cluster, ranks, "all_reduce")
     inter = 2 * (nodes - 1) * alpha + 2 * (nodes - 1) / nodes * (nbytes / g) * beta
     return intra, inter
 

@@ -350,7 +350,8 @@ class NominalLink:
     latency_s: float = NOMINAL_LINK_LATENCY_S
     devices_per_node: int = 8
 
-    def link_for(self, ranks: Sequence[int]) -> tuple[float, float, float]:
+    def link_for(self, ranks: Sequence[int], kind: str | None = None
+                 ) -> tuple[float, float, float]:
         return self.bandwidth, self.latency_s, 1.0
 
 

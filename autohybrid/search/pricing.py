@@ -70,27 +70,28 @@ class LinkCache:
         self.devices_per_node = cluster.devices_per_node
         self.device = cluster.device
         self._links: dict[tuple[int, ...], object] = {}
-        self._alpha_beta: dict[tuple[int, ...], tuple[float, float]] = {}
-        self._by_id: dict[int, tuple[object, tuple[float, float]]] = {}
+        self._alpha_beta: dict[tuple, tuple[float, float]] = {}
+        self._by_id: dict[tuple, tuple[object, tuple[float, float]]] = {}
 
-    def link_for(self, ranks):
-        key = ranks if isinstance(ranks, tuple) else tuple(ranks)
+    def link_for(self, ranks, kind: str | None = None):
+        key = (ranks if isinstance(ranks, tuple) else tuple(ranks), kind)
         if key not in self._links:
-            self._links[key] = self.cluster.link_for(key)
+            self._links[key] = self.cluster.link_for(*key)
         return self._links[key]
 
-    def alpha_beta(self, ranks) -> tuple[float, float]:
-        """(latency, seconds per byte slowed by NIC sharing) of a collective on `ranks`."""
-        hit = self._by_id.get(id(ranks))
+    def alpha_beta(self, ranks, kind: str | None = None) -> tuple[float, float]:
+        """(latency, seconds per byte slowed by NIC sharing) of collective `kind` on
+        `ranks`."""
+        hit = self._by_id.get((id(ranks), kind))
         if hit is not None and hit[0] is ranks:
             return hit[1]
-        key = ranks if isinstance(ranks, tuple) else tuple(ranks)
+        key = (ranks if isinstance(ranks, tuple) else tuple(ranks), kind)
         value = self._alpha_beta.get(key)
         if value is None:
-            bandwidth, latency, sharing = self.link_for(key)
+            bandwidth, latency, sharing = self.link_for(*key)
             value = self._alpha_beta[key] = (latency, sharing / bandwidth)
         if isinstance(ranks, tuple):  # immutable: safe to know by identity (kept alive)
-            self._by_id[id(ranks)] = (ranks, value)
+            self._by_id[(id(ranks), kind)] = (ranks, value)
         return value
 
 
@@ -171,7 +172,12 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
     for c in layer.collectives if t > 1 else ():
         nbytes = c.nbytes(b, seq) * scale
         ranks = axis_ranks(mesh, c.axis)
-        if c.kind == "all_reduce":
+        if c.kind == "all_reduce" and sp and layer.sp_region:
+            # sequence parallelism runs it as a reduce-scatter and an all-gather (one in
+            # forward, the other in backward): the same ring bytes, each its own call
+            time = comm.reduce_scatter(cluster, ranks, nbytes) \
+                + comm.all_gather(cluster, ranks, nbytes)
+        elif c.kind == "all_reduce":
             time = comm.all_reduce(cluster, ranks, nbytes)
         elif c.kind == "halo":
             time = comm.halo_exchange(cluster, ranks, nbytes)
