@@ -15,8 +15,8 @@ gloo's threads share the cores, and each collective waits out the skew its peers
 left. So each collective kind the runtime issues (`COLLECTIVE_KINDS`) is also timed as it
 runs in training, between matmuls (`CONTEXT_MATMUL`): the time a loop of matmul +
 collective takes beyond the same loop without the collective, per collective. α and β per
-kind are fitted from those (all-gather and reduce-scatter on the ring formula (p−1)α +
-(p−1)/p · n · β) and priced by kind (`Profile.collectives`, hardware.LinkSpec.collectives,
+kind are fitted from those (each on its own formula, `FORMULAS`: all-gather and
+reduce-scatter (p−1)α + (p−1)/p · n · β, a pipeline's send α + n · β) and priced by kind (`Profile.collectives`, hardware.LinkSpec.collectives,
 cost/comm.py). On CUDA, where NCCL runs on its own stream, each kind is timed alone.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ CPU_MATMULS: tuple = (256, 512, 1024)
 CUDA_MATMULS: tuple = (4096, 8192, (8192, 2048, 6144), (8192, 2048, 8192), (8192, 8192, 2048))
 CUDA_DTYPES = (torch.float32, torch.bfloat16)
 #: collectives timed in a step's context, per kind; priced by kind (cost/comm.py)
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 #: the compute between two timed collectives on CPU: (m, k, n), run 4 times (a layer's
 #: few matmuls; about 10 ms on one core of these machines)
 CONTEXT_MATMUL = (1024, 256, 1024)
@@ -199,8 +199,17 @@ def measure_launch_overhead(ops: int = 1000, repeats: int = 5, device: str = "cp
     return _timed(run, repeats) / (3 * ops)
 
 
-def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], ranks: int) -> tuple[float, float]:
-    """α, β of T(n) = 2(p−1)α + 2(p−1)/p · n · β, fitted on relative errors (both ≥ 0).
+#: T(n) = a·α + b·n·β of each collective kind on p ranks: (a, b) (cost/comm.py's formulas)
+FORMULAS = {"all_reduce": lambda p: (2 * (p - 1), 2 * (p - 1) / p),
+            "all_gather": lambda p: (p - 1, (p - 1) / p),
+            "reduce_scatter": lambda p: (p - 1, (p - 1) / p),
+            "send_recv": lambda p: (1, 1)}
+
+
+def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], ranks: int,
+                   kind: str = "all_reduce") -> tuple[float, float]:
+    """α, β of collective `kind`'s T(n) (`FORMULAS`; the all-reduce's 2(p−1)α +
+    2(p−1)/p · n · β by default), fitted on relative errors (both ≥ 0).
 
     Why relative: the sizes span three decades, and in an absolute least-squares fit the
     noise of the largest message (milliseconds on a busy machine) swamps the smallest
@@ -208,8 +217,8 @@ def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], ranks: int) -
     point weighted by 1/T² keeps the latency-dominated small messages in the fit; exact
     data give the same α, β either way. Where noise still makes the intercept ≤ 0, the
     smallest message's whole time bounds the latency from above and is what α reports."""
-    xs = [2 * (ranks - 1) / ranks * n for n in sizes]
-    c = 2 * (ranks - 1)
+    c, per_byte = FORMULAS[kind](ranks)
+    xs = [per_byte * n for n in sizes]
     weights = [1.0 / (t * t) if t > 0 else 0.0 for t in times]
     sw = sum(weights)
     if not sw:
@@ -251,13 +260,19 @@ def _time_all_reduce(sizes: Sequence[int], repeats: int, device: str = "cpu") ->
 
 def _collective(kind: str, nbytes: int, world: int, device: torch.device) -> Callable:
     """One call of collective `kind` moving `nbytes` (the whole tensor: all-reduced, the
-    gathered output, the scattered input), the device synchronized after it."""
+    gathered output, the scattered input, the message sent), the device synchronized
+    after it."""
     numel = max(world, nbytes // 4 // world * world)
     whole = torch.zeros(numel, device=device)
     part = torch.zeros(numel // world, device=device)
+    rank = dist.get_rank()
+    peer = rank ^ 1  # send_recv: ranks in pairs, the even one sends (a pipeline's hop)
     run = {"all_reduce": lambda: dist.all_reduce(whole),
            "all_gather": lambda: dist.all_gather_into_tensor(whole, part),
-           "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole)}[kind]
+           "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole),
+           "send_recv": (lambda: None) if peer >= world else
+           (lambda: dist.send(whole, peer)) if rank % 2 == 0 else
+           (lambda: dist.recv(whole, peer))}[kind]
 
     def call():
         run()
@@ -358,10 +373,7 @@ def calibrate(cluster: Cluster | None = None, *, matmul_sizes: Sequence | None =
         kind_times = [max(r["in_context_s"][kind][i] for r in results)
                       for i in range(len(all_reduce_sizes))]
         samples[f"{kind}_in_context_s"] = kind_times
-        # a ring all-gather / reduce-scatter takes half an all-reduce's terms: fit 2T
-        factor = 1.0 if kind == "all_reduce" else 2.0
-        a, b = fit_alpha_beta(all_reduce_sizes, [factor * t for t in kind_times],
-                              len(results))
+        a, b = fit_alpha_beta(all_reduce_sizes, kind_times, len(results), kind)
         if b > 0:
             collectives[kind] = [a, 1 / b]
     return replace(profile, all_reduce_latency_s=alpha,

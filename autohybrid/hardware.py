@@ -169,7 +169,7 @@ class LinkSpec:
     latency_s: float
     source: str
     #: (kind, bandwidth, latency_s) of collectives measured apart on this link
-    #: (calibrate.py: all_reduce, all_gather, reduce_scatter, each interleaved with
+    #: (calibrate.py: all_reduce, all_gather, reduce_scatter, send_recv, each between
     #: compute as training runs them); a kind not listed uses `bandwidth`, `latency_s`
     collectives: tuple[tuple[str, float, float], ...] = ()
 

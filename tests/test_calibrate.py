@@ -23,6 +23,12 @@ def test_alpha_beta_fit_recovers_the_ring_formula():
         got_alpha, got_beta = fit_alpha_beta(sizes, times, ranks)
         assert got_alpha == pytest.approx(alpha, rel=1e-6)
         assert got_beta == pytest.approx(beta, rel=1e-6)
+        # each kind on its own formula: a ring all-gather, a pipeline's send
+        for kind, times in (("all_gather", [(ranks - 1) * (alpha + n / ranks * beta)
+                                            for n in sizes]),
+                            ("send_recv", [alpha + n * beta for n in sizes])):
+            assert fit_alpha_beta(sizes, times, ranks, kind) == \
+                pytest.approx((alpha, beta), rel=1e-6)
 
 
 @pytest.mark.timeout(30)
