@@ -15,9 +15,10 @@ gloo's threads share the cores, and each collective waits out the skew its peers
 left. So each collective kind the runtime issues (`COLLECTIVE_KINDS`) is also timed as it
 runs in training, between matmuls (`CONTEXT_MATMUL`): the time a loop of matmul +
 collective takes beyond the same loop without the collective, per collective. α and β per
-kind are fitted from those (each on its own formula, `FORMULAS`: all-gather and
-reduce-scatter (p−1)α + (p−1)/p · n · β, a pipeline's send α + n · β) and priced by kind (`Profile.collectives`, hardware.LinkSpec.collectives,
-cost/comm.py). On CUDA, where NCCL runs on its own stream, each kind is timed alone.
+kind are fitted from those, each on its own formula (`FORMULAS`: all-gather and
+reduce-scatter (p−1)α + (p−1)/p · n · β, a pipeline's send α + n · β), and priced by
+kind (`Profile.collectives`, hardware.LinkSpec.collectives, cost/comm.py). On CUDA,
+where NCCL runs on its own stream, each kind is timed alone.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from .cluster import Cluster
 from .cost.compute import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
 from .errors import AutohybridError
 from .hardware import LinkSpec
+from .ops.groups import all_gather_single, reduce_scatter_single
 
 PROFILE_VERSION = 1
 ALL_REDUCE_SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
@@ -268,8 +270,8 @@ def _collective(kind: str, nbytes: int, world: int, device: torch.device) -> Cal
     rank = dist.get_rank()
     peer = rank ^ 1  # send_recv: ranks in pairs, the even one sends (a pipeline's hop)
     run = {"all_reduce": lambda: dist.all_reduce(whole),
-           "all_gather": lambda: dist.all_gather_into_tensor(whole, part),
-           "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole),
+           "all_gather": lambda: all_gather_single(whole, part),
+           "reduce_scatter": lambda: reduce_scatter_single(part, whole),
            "send_recv": (lambda: None) if peer >= world else
            (lambda: dist.send(whole, peer)) if rank % 2 == 0 else
            (lambda: dist.recv(whole, peer))}[kind]
@@ -284,8 +286,9 @@ def _collective(kind: str, nbytes: int, world: int, device: torch.device) -> Cal
 def _time_in_context(sizes: Sequence[int], repeats: int, device: torch.device
                      ) -> dict[str, list[float]]:
     """Seconds per collective of each kind and size as training runs it (see the module
-    docstring): (loop with it − loop without) / iterations, each loop's median over
-    `repeats`, all ranks together; on CUDA no compute in between (the collective alone)."""
+    docstring): the median over `repeats` of (a loop with it − the same loop without,
+    run next) / iterations, all ranks together; on CUDA no compute in between (the
+    collective alone)."""
     world = dist.get_world_size()
     if device.type == "cuda":
         compute = lambda: None  # noqa: E731
