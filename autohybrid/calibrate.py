@@ -50,10 +50,10 @@ CUDA_MATMULS: tuple = (4096, 8192, (8192, 2048, 6144), (8192, 2048, 8192), (8192
 CUDA_DTYPES = (torch.float32, torch.bfloat16)
 #: collectives timed in a step's context, per kind; priced by kind (cost/comm.py)
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
-#: the compute between two timed collectives on CPU: (m, k, n), run 4 times (a layer's
-#: few matmuls; about 10 ms on one core of these machines)
+#: the compute between two timed collectives on CPU: (m, k, n), run twice (a layer's
+#: matmuls; about 5 ms on one core of these machines)
 CONTEXT_MATMUL = (1024, 256, 1024)
-CONTEXT_ITERATIONS = 8
+CONTEXT_ITERATIONS = 6
 
 
 @dataclass(frozen=True)
@@ -297,7 +297,7 @@ def _time_in_context(sizes: Sequence[int], repeats: int, device: torch.device
         a, b = torch.randn(m, k), torch.randn(k, n)
 
         def compute():
-            for _ in range(4):
+            for _ in range(2):
                 torch.mm(a, b)
 
     def loop(op: Callable) -> float:
@@ -330,7 +330,7 @@ def _measure(rank: int, matmul_sizes: Sequence, dtypes: Sequence[torch.dtype],
     if dist.is_initialized() and dist.get_world_size() > 1:
         result["all_reduce_s"] = _time_all_reduce(all_reduce_sizes, max(repeats, 20),
                                                   _rank_device(device))
-        result["in_context_s"] = _time_in_context(all_reduce_sizes, max(repeats, 5),
+        result["in_context_s"] = _time_in_context(all_reduce_sizes, max(repeats, 3),
                                                   _rank_device(device))
     return result
 
