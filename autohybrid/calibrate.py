@@ -29,7 +29,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,10 @@ COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 #: matmuls; about 5 ms on one core of these machines)
 CONTEXT_MATMUL = (1024, 256, 1024)
 CONTEXT_ITERATIONS = 6
+#: collectives the runtime starts before the compute they overlap (dp gradient buckets:
+#: all-reduces, ZeRO-1/2's reduce-scatters; ZeRO-3's prefetched gathers): how much of
+#: each that compute hides is measured too
+OVERLAPPED_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,9 @@ class Profile:
     samples: dict[str, list[float]] = field(default_factory=dict)
     #: collective kind → [α seconds, bandwidth bytes/s] timed in a step's context
     collectives: dict[str, list[float]] = field(default_factory=dict)
+    #: collective kind → the share of its time that compute hides when it is started
+    #: before that compute (1 − its cost so ÷ its cost between matmuls), largest size
+    hidden_share: dict[str, float] = field(default_factory=dict)
     version: int = PROFILE_VERSION
 
     def hash(self) -> str:
@@ -120,7 +127,8 @@ class Profile:
                             latency_s=self.all_reduce_latency_s,
                             source=f"calibrated on {self.machine} ({self.hash()})",
                             collectives=tuple((kind, bandwidth, latency) for kind, (
-                                latency, bandwidth) in sorted(self.collectives.items())))
+                                latency, bandwidth) in sorted(self.collectives.items())),
+                            hidden=tuple(sorted(self.hidden_share.items())))
             out = replace(out, intra_link=link)
         return out
 
@@ -260,27 +268,37 @@ def _time_all_reduce(sizes: Sequence[int], repeats: int, device: str = "cpu") ->
     return out
 
 
-def _collective(kind: str, nbytes: int, world: int, device: torch.device) -> Callable:
+def _collective(kind: str, nbytes: int, world: int, device: torch.device,
+                async_op: bool = False) -> Callable:
     """One call of collective `kind` moving `nbytes` (the whole tensor: all-reduced, the
     gathered output, the scattered input, the message sent), the device synchronized
-    after it."""
+    after it; `async_op`: a call that starts it and returns its wait."""
     numel = max(world, nbytes // 4 // world * world)
     whole = torch.zeros(numel, device=device)
     part = torch.zeros(numel // world, device=device)
     rank = dist.get_rank()
     peer = rank ^ 1  # send_recv: ranks in pairs, the even one sends (a pipeline's hop)
-    run = {"all_reduce": lambda: dist.all_reduce(whole),
-           "all_gather": lambda: all_gather_single(whole, part),
-           "reduce_scatter": lambda: reduce_scatter_single(part, whole),
+    run = {"all_reduce": lambda: dist.all_reduce(whole, async_op=async_op),
+           "all_gather": lambda: all_gather_single(whole, part, async_op=async_op),
+           "reduce_scatter": lambda: reduce_scatter_single(part, whole, async_op=async_op),
            "send_recv": (lambda: None) if peer >= world else
-           (lambda: dist.send(whole, peer)) if rank % 2 == 0 else
-           (lambda: dist.recv(whole, peer))}[kind]
+           (lambda: dist.isend(whole, peer)) if rank % 2 == 0 else
+           (lambda: dist.irecv(whole, peer))}[kind]
 
-    def call():
-        run()
+    def synchronized():
         if whole.is_cuda:
             torch.cuda.synchronize(whole.device)
-    return call
+
+    def call():
+        work = run()
+        if kind == "send_recv" and work is not None:
+            work.wait()
+        synchronized()
+
+    def start():
+        work = run()
+        return lambda: (work.wait() if work is not None else None, synchronized())
+    return start if async_op else call
 
 
 def _time_in_context(sizes: Sequence[int], repeats: int, device: torch.device
@@ -300,23 +318,35 @@ def _time_in_context(sizes: Sequence[int], repeats: int, device: torch.device
             for _ in range(2):
                 torch.mm(a, b)
 
-    def loop(op: Callable) -> float:
+    def loop(op: Callable | None, started: Callable | None = None) -> float:
         dist.barrier()
         start = time.perf_counter()
         for _ in range(CONTEXT_ITERATIONS):
+            wait = started() if started is not None else None
             compute()
-            op()
+            if op is not None:
+                op()
+            if wait is not None:
+                wait()
         return time.perf_counter() - start
 
-    out = {}
+    def extra(op: Callable | None, started: Callable | None = None) -> float:
+        # each loop with the collective beside one without: drift falls on both
+        diffs = [loop(op, started) - loop(None) for _ in range(repeats)]
+        return max(statistics.median(diffs) / CONTEXT_ITERATIONS, 1e-7)
+
+    out: dict[str, Any] = {}
     for kind in COLLECTIVE_KINDS:
         out[kind] = []
         for nbytes in sizes:
             op = _collective(kind, nbytes, world, device)
             op()  # warm-up: the first call of a kind and size sets its buffers up
-            # each loop with the collective beside one without: drift falls on both
-            extra = [loop(op) - loop(lambda: None) for _ in range(repeats)]
-            out[kind].append(max(statistics.median(extra) / CONTEXT_ITERATIONS, 1e-7))
+            out[kind].append(extra(op))
+    if device.type != "cuda":  # (on CUDA NCCL's own stream overlaps: not measured here)
+        nbytes = max(sizes)
+        out["overlap"] = {kind: (out[kind][list(sizes).index(nbytes)],
+                                 extra(None, _collective(kind, nbytes, world, device, True)))
+                          for kind in OVERLAPPED_KINDS}
     return out
 
 
@@ -379,6 +409,12 @@ def calibrate(cluster: Cluster | None = None, *, matmul_sizes: Sequence | None =
         a, b = fit_alpha_beta(all_reduce_sizes, kind_times, len(results), kind)
         if b > 0:
             collectives[kind] = [a, 1 / b]
+    hidden = {}
+    for kind in results[0]["in_context_s"].get("overlap", {}):
+        blocking = max(r["in_context_s"]["overlap"][kind][0] for r in results)
+        started = max(r["in_context_s"]["overlap"][kind][1] for r in results)
+        samples[f"{kind}_started_before_compute_s"] = [started]
+        hidden[kind] = min(1.0, max(0.0, 1.0 - started / blocking))
     return replace(profile, all_reduce_latency_s=alpha,
                    all_reduce_bandwidth=(1 / beta) if beta > 0 else None,
-                   samples=samples, collectives=collectives)
+                   samples=samples, collectives=collectives, hidden_share=hidden)

@@ -181,6 +181,13 @@ class Cluster:
         return LinkView(self.inter_link.bandwidth, self.inter_link.latency_s,
                         float(max(per_nic.values())))
 
+    def hidden_share(self, ranks: Iterable[int], kind: str) -> float:
+        """The share of collective `kind`'s time among `ranks` that compute started after
+        it hides (`LinkSpec.hidden_share` of the link `link_for` picks; 1 uncalibrated)."""
+        nodes = {node for node, _ in self._locations(ranks)}
+        link = self.intra_link if len(nodes) == 1 else self.inter_link
+        return link.hidden_share(kind) if link is not None else 1.0
+
     # ---- topology ------------------------------------------------------------------
 
     def device_node(self, rank: int) -> str:

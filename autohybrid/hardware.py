@@ -172,6 +172,9 @@ class LinkSpec:
     #: (calibrate.py: all_reduce, all_gather, reduce_scatter, send_recv, each between
     #: compute as training runs them); a kind not listed uses `bandwidth`, `latency_s`
     collectives: tuple[tuple[str, float, float], ...] = ()
+    #: (kind, share) of a collective's time that compute hides when the collective is
+    #: started before it (calibrate.py, CPU); a kind not listed: 1 (all of it)
+    hidden: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         _check_positive(f"link {self.name!r}", "bandwidth", self.bandwidth)
@@ -188,6 +191,13 @@ class LinkSpec:
                                    f"bandwidth > 0, latency_s >= 0], got {entry!r}")
         object.__setattr__(self, "collectives",
                            tuple((str(k), float(b), float(t)) for k, b, t in self.collectives))
+        for entry in self.hidden:
+            if not (isinstance(entry, (tuple, list)) and len(entry) == 2
+                    and isinstance(entry[0], str) and isinstance(entry[1], (int, float))
+                    and not isinstance(entry[1], bool) and 0 <= entry[1] <= 1):
+                raise ClusterError(f"link {self.name!r}: each of 'hidden' is [kind, share in "
+                                   f"0..1], got {entry!r}")
+        object.__setattr__(self, "hidden", tuple((str(k), float(v)) for k, v in self.hidden))
 
     def figures(self, kind: str | None = None) -> tuple[float, float]:
         """(bandwidth, latency_s) of collective `kind` on this link (None: the link's)."""
@@ -196,22 +206,29 @@ class LinkSpec:
                 return bandwidth, latency
         return self.bandwidth, self.latency_s
 
+    def hidden_share(self, kind: str) -> float:
+        """The share of collective `kind`'s time that compute started after it hides."""
+        return dict(self.hidden).get(kind, 1.0)
+
     @classmethod
     def from_dict(cls, data: object, where: str = "link") -> LinkSpec:
         """A LinkSpec from its JSON object (as `dataclasses.asdict` writes it), checked;
-        `collectives` may be absent (files written before it existed)."""
+        `collectives` and `hidden` may be absent (files written before they existed)."""
         types = {"name": (str,), "bandwidth": JSON_NUMBER, "latency_s": JSON_NUMBER,
                  "source": (str,)}
-        extra = ()
-        if isinstance(data, dict) and "collectives" in data:
-            data = dict(data)
-            extra = data.pop("collectives")
-            if not isinstance(extra, (list, tuple)):
-                raise ClusterError(f"cluster JSON: {where}.collectives must be a list of "
-                                   f"[kind, bandwidth, latency_s], got {extra!r}")
+        optional = {}
+        for name in ("collectives", "hidden"):  # absent from files written before them
+            if isinstance(data, dict) and name in data:
+                data = dict(data)
+                value = data.pop(name)
+                if not isinstance(value, (list, tuple)):
+                    raise ClusterError(f"cluster JSON: {where}.{name} must be a list, got "
+                                       f"{value!r}")
+                optional[name] = tuple(tuple(e) if isinstance(e, (list, tuple)) else e
+                                       for e in value)
         f = checked_fields(data, types, where, prefix=f"{where}.")
         return cls(f["name"], float(f["bandwidth"]), float(f["latency_s"]), f["source"],
-                   tuple(tuple(e) if isinstance(e, (list, tuple)) else e for e in extra))
+                   **optional)
 
 
 def _flops(fp64: float, fp32: float, tf32: float, bf16: float, fp16: float) -> dict[str, float]:

@@ -8,7 +8,8 @@ import pytest
 import torch.nn.functional as F
 
 import autohybrid as ah
-from autohybrid.calibrate import COLLECTIVE_KINDS, Profile, calibrate, fit_alpha_beta
+from autohybrid.calibrate import (COLLECTIVE_KINDS, OVERLAPPED_KINDS, Profile, calibrate,
+                                  fit_alpha_beta)
 from autohybrid.cost.compute import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
 from autohybrid.errors import AutohybridError
 
@@ -115,6 +116,37 @@ def test_collectives_measured_apart_are_priced_by_kind():
 
 
 @pytest.mark.timeout(60)
+def test_a_measured_hidden_share_prices_overlapped_gradient_buckets():
+    """dp buckets overlap the backward as far as the link hides a collective started
+    before compute: share 1 is the uncalibrated pricing, share 0 exposes the whole sync,
+    and between them the exposed time falls as the share grows."""
+    from autohybrid.capture import capture
+    from autohybrid.plan import Mesh
+    from autohybrid.search.pricing import Layout, price
+    from autohybrid.search.space import profile as model_profile
+
+    model = ah.models.preset("gpt-tiny", device="meta")
+    (tokens,), targets = ah.models.example_batch(model, 8, device="meta")
+    cap = capture(model, (tokens,), lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten()),
+                  targets)
+    prof = model_profile(cap.gm, cap.dim_roles)
+    layout = Layout(Mesh(pp=1, dp=2, tp=1), 4, 1, bucket_mb=0.05)  # several buckets
+
+    def predicted(**kw):
+        cluster = _profile(**kw).apply(ah.Cluster.local(2))
+        return price(prof, cluster, layout, 16, "float32", 4, "adam", 8).prediction
+    exposed = {share: predicted(hidden_share={"all_reduce": share}).exposed_comm_s
+               for share in (0.0, 0.5, 1.0)}
+    assert exposed[1.0] == predicted().exposed_comm_s
+    assert exposed[0.0] == pytest.approx(predicted().comm_s)  # nothing hidden
+    assert exposed[0.0] > exposed[0.5] > exposed[1.0]
+    cluster = _profile(hidden_share={"all_reduce": 0.25}).apply(ah.Cluster.local(2))
+    assert cluster.hidden_share([0, 1], "all_reduce") == 0.25
+    assert cluster.hidden_share([0, 1], "all_gather") == 1.0
+    assert ah.Cluster.from_json(cluster.to_json()) == cluster
+
+
+@pytest.mark.timeout(60)
 def test_a_calibrated_launch_overhead_prices_every_op_and_optimizer_tensor():
     """The step time grows by the overhead difference × (3 × ops per layer + AdamW's 10
     ops per parameter tensor): the only terms that use it."""
@@ -153,6 +185,8 @@ def test_calibrate_measures_two_local_ranks_and_plans_use_it():
         assert latency >= 0 and bandwidth > 0
         assert len(profile.samples[f"{kind}_in_context_s"]) == 4
     assert Profile.from_json(profile.to_json()) == profile
+    assert sorted(profile.hidden_share) == sorted(OVERLAPPED_KINDS)
+    assert all(0.0 <= v <= 1.0 for v in profile.hidden_share.values())
     model = ah.models.preset("gpt-tiny")
     (tokens,), _ = ah.models.example_batch(model, 8)
     plain = ah.plan(model, ah.Cluster.local(2), (tokens,), executable_only=True)

@@ -28,6 +28,13 @@ def _link(cluster: _Cluster, ranks: Sequence[int], kind: str | None = None
     return latency, sharing / bandwidth  # α, β (seconds per byte, slowed by NIC sharing)
 
 
+def hidden_share(cluster: _Cluster, ranks: Sequence[int], kind: str) -> float:
+    """The share of collective `kind`'s time on `ranks` that compute started after it
+    hides (a calibrated CPU link's measurement; 1 where none was made)."""
+    share = getattr(cluster, "hidden_share", None)
+    return share(ranks, kind) if share is not None else 1.0
+
+
 def all_reduce(cluster: _Cluster, ranks: Sequence[int], nbytes: float,
                algorithm: str = "ring") -> float:
     p = len(ranks)

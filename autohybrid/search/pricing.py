@@ -79,6 +79,12 @@ class LinkCache:
             self._links[key] = self.cluster.link_for(*key)
         return self._links[key]
 
+    def hidden_share(self, ranks, kind: str) -> float:
+        key = ("hidden", tuple(ranks), kind)
+        if key not in self._links:
+            self._links[key] = self.cluster.hidden_share(key[1], kind)
+        return self._links[key]
+
     def alpha_beta(self, ranks, kind: str | None = None) -> tuple[float, float]:
         """(latency, seconds per byte slowed by NIC sharing) of collective `kind` on
         `ranks`."""
@@ -595,8 +601,9 @@ def _ranks_memory_and_sync(cluster, layout: Layout, stages: Split, held: Held, d
     BUCKET_CHOICES_MB, the larger on a tie).
 
     With `overlap`, the sync of a rank's gradients overlaps its backward in buckets: all
-    but the last bucket hide behind the backward of the layers after them; without, all
-    of it is exposed. Each bucket is its own collective and pays its latency."""
+    but the last bucket hide behind the backward of the layers after them, as far as the
+    link hides a collective started before compute (`comm.hidden_share`: all of it
+    uncalibrated, about a sixth on a 2-core CPU); without, all of it is exposed. Each bucket is its own collective and pays its latency."""
     worst, syncs = None, []
     width = dtype_bytes(grad_reduce_dtype) if grad_reduce_dtype else max(4, dtype_bytes(dtype))
     for rank in held.distinct:
@@ -634,6 +641,9 @@ def _bucketed_sync(cluster, layout: Layout, syncs: tuple[tuple, ...], overlap: b
         sizes = sizes[-1:]  # no bucketed sync: every size ties, so the largest
     whole = [_dp_sync(cluster, layout, grad_bytes, gathers, forward, backward + recompute)
              for grad_bytes, backward, gathers, forward, recompute in syncs]
+    # what the backward hides of a bucket's collective (on CPU, far from all of it)
+    share = comm.hidden_share(cluster, dp_ranks(layout),
+                              "all_reduce" if layout.zero == 0 else "reduce_scatter")
     best = None
     for size in sizes:
         grad_sync, exposed = 0.0, 0.0
@@ -647,7 +657,8 @@ def _bucketed_sync(cluster, layout: Layout, syncs: tuple[tuple, ...], overlap: b
             hidden = backward * (buckets - 1) / buckets if overlap else 0.0
             grad_sync = max(grad_sync, times * sync + fixed)
             floor = one if overlap else sync
-            exposed = max(exposed, times * (max(sync - hidden, floor) if sync else 0.0)
+            covered = max(0.0, min(sync - floor, hidden))  # in flight beside the backward
+            exposed = max(exposed, times * (sync - share * covered if sync else 0.0)
                           + fixed - prefetched)
         if best is None or exposed <= best[1] * (1 + 1e-9):  # a tie: fewer, larger buckets
             best = (grad_sync, exposed, size)
@@ -707,6 +718,7 @@ def _dp_sync(cluster, layout: Layout, nbytes: float, gathers: int = 1, forward: 
     latency = comm.ring_latency(cluster, ranks)
     one = (gather + (k - 1) * latency) / k   # one layer's gather
     hidden = 2 * k * one - _prefetched(one, k, forward) - _prefetched(one, k, backward)
+    hidden *= comm.hidden_share(cluster, ranks, "all_gather")
     return 0.0, 1, m * (scatter + 2 * gather + 3 * (k - 1) * latency), m * hidden
 
 
