@@ -587,8 +587,8 @@ def _profiled(step: Callable, data: list, rank: int, device: torch.device, steps
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from .report.breakdown import median_breakdown, op_events, step_breakdowns
-    from .report.timeline import Timeline, clip, subtract, total, union
-    from .runtime.profile import STEP_PREFIX, timeline_from_events
+    from .report.timeline import STEP_PREFIX, Timeline, clip, subtract, total, union
+    from .runtime.profile import timeline_from_events
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
                                            else [])

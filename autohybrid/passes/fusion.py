@@ -445,4 +445,3 @@ def inline_regions(gm: fx.GraphModule) -> int:
         if changed:
             module.recompile()
     return count
-

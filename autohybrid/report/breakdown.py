@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence
 
-from .timeline import Timeline, clip, subtract, total, union
+from .timeline import STEP_PREFIX, Timeline, clip, subtract, total, union
 
 OpEvent = tuple[str, int, float, float]  # name, thread, start µs, end µs
 
@@ -46,7 +46,6 @@ OP_CATEGORIES: tuple[tuple[str, tuple[str, ...]], ...] = (
                 "contiguous")),
 )
 OP_ORDER = ("matmul", "attention", "other ops", "copies", "framework")
-_STEP_PREFIX = "ah::step"
 #: one-word names in the breakdown table
 COMM_ORDER = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast",
               "send", "recv", "batch_agreement")
@@ -129,9 +128,9 @@ def step_breakdowns(timeline: Timeline, ops: Sequence[OpEvent], rank: int) -> li
     origin = timeline.meta.get("trace_start_s", 0.0)
     to_us = lambda s: (s - origin) * 1e6  # noqa: E731
     steps = [iv for iv in timeline.ranks.get(rank, []) if iv.kind == "step"]
-    step_ops = [e for e in ops if e[0].startswith(_STEP_PREFIX)]
+    step_ops = [e for e in ops if e[0].startswith(STEP_PREFIX)]
     main = min(step_ops, key=lambda e: e[2])[1] if step_ops else None
-    mine = [e for e in ops if e[1] == main and not e[0].startswith(_STEP_PREFIX)
+    mine = [e for e in ops if e[1] == main and not e[0].startswith(STEP_PREFIX)
             and not e[0].startswith("gloo:")]
     selfs = _self_times(mine)
     optimizer = union((e[2], e[3]) for e in mine if e[0].startswith("Optimizer."))

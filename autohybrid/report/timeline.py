@@ -55,6 +55,10 @@ from typing import Any, Iterable, Sequence
 
 from ..plan import Plan, stage_ranks
 
+#: the record_function range around each profiled step ("ah::step<k>"): the runtime's
+#: profiler opens it (runtime/profile.py, bench.py), the readers of its events find it
+STEP_PREFIX = "ah::step"
+
 KINDS = ("step", "compute", "communication")
 PHASES = ("forward", "backward", "after-backward", "optimizer")
 

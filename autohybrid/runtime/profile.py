@@ -71,10 +71,10 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from ..errors import AutohybridError
 from ..report.device_events import DeviceEvent, classify_device_events, comm_op
-from ..report.timeline import Interval, Timeline, gather, merge, subtract, union
+from ..report.timeline import (STEP_PREFIX, Interval, Timeline, gather, merge, subtract,
+                               union)
 from .batch_agreement import AGREEMENT_RANGE
 
-STEP_PREFIX = "ah::step"
 _P2P = {"send", "recv"}
 _EPS_US = 1.0
 
