@@ -127,6 +127,9 @@ def _parser() -> argparse.ArgumentParser:
                     "bandwidth; write the profile JSON that `plan --calibration` reads.")
     calib.add_argument("--world-size", type=int, default=2, help="local processes (default 2)")
     calib.add_argument("--out", default="calibration.json", help="profile file to write")
+    calib.add_argument("--repeats", type=int, default=5,
+                       help="timings per measurement, the median kept (default 5; more is "
+                            "steadier on a busy machine, 1 is quickest)")
     calib.add_argument("--json", action="store_true", help="print the profile as JSON")
     _add_start_method(calib)
     orc = sub.add_parser(
@@ -662,8 +665,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         check_outputs(args)
         if args.world_size < 1:
             raise UsageError(f"--world-size must be at least 1, got {args.world_size}")
+        if args.repeats < 1:
+            raise UsageError(f"--repeats must be at least 1, got {args.repeats}")
         profile = calibrate(Cluster.local(args.world_size) if args.world_size > 1 else None,
-                            start_method=args.start_method)
+                            repeats=args.repeats, start_method=args.start_method)
         profile.to_json(args.out)
     except (AutohybridError, OSError) as exc:
         return _fail("calibrate", exc)

@@ -37,8 +37,8 @@ from typing import Any, Iterable, Mapping
 
 from autohybrid.errors import ClusterError
 
-__all__ = ["DeviceSpec", "LinkSpec", "DEVICES", "LINKS", "device", "link", "dtype_name",
-           "closest_name", "match_cuda_device", "PCIE_LINK_OF", "check_type",
+__all__ = ["DeviceSpec", "LinkSpec", "DEVICES", "LINKS", "GEMM_TILES", "device", "link",
+           "dtype_name", "closest_name", "match_cuda_device", "PCIE_LINK_OF", "check_type",
            "checked_fields"]
 
 GiB = 2**30
@@ -53,6 +53,13 @@ INTER_NODE_LATENCY_S = 22.5e-6
 #: Not in REF: the few µs commonly quoted for a CUDA kernel launch with PyTorch's dispatch
 #: (same order as REF's 5–10 µs per collective call); `autohybrid calibrate` measures it.
 LAUNCH_OVERHEAD_S = 5e-6
+
+#: Output tiles (rows, columns) a GPU GEMM library chooses among; each tile is one thread
+#: block on one SM, the blocks run in waves of `sm_count`, and a partial last wave leaves
+#: SMs idle (tile and wave quantization). Source: NVIDIA Deep Learning Performance Guide,
+#: "Matrix Multiplication Background" (tile quantization, wave quantization; cuBLAS's
+#: tiles 256×128, 128×128, 128×64 …, larger tiles being the more efficient per FLOP).
+GEMM_TILES = ((256, 128), (128, 128), (128, 64))
 
 DTYPE_NAMES = ("float64", "float32", "tfloat32", "bfloat16", "float16")
 
@@ -116,11 +123,18 @@ class DeviceSpec:
     source: str
     #: fixed cost of one op (kernel launch / eager dispatch), s; calibration measures it
     launch_overhead_s: float = LAUNCH_OVERHEAD_S
+    #: streaming multiprocessors (datasheet), which a GEMM's output tiles are spread over
+    #: in waves (cost/gemm.py); 0: no tile model (a CPU, an unknown device): every GEMM
+    #: at the one efficiency of cost/compute.py
+    sm_count: int = 0
 
     def __post_init__(self) -> None:
         _check_positive(f"device {self.name!r}", "memory_bytes", self.memory_bytes)
         _check_positive(f"device {self.name!r}", "launch_overhead_s", self.launch_overhead_s)
         _check_positive(f"device {self.name!r}", "memory_bandwidth", self.memory_bandwidth)
+        if not isinstance(self.sm_count, int) or self.sm_count < 0:
+            raise ClusterError(f"device {self.name!r}: field 'sm_count' must be an integer "
+                               f">= 0 (0: no GEMM tile model), got {self.sm_count!r}")
         if not self.peak_flops:
             raise ClusterError(f"device {self.name!r}: field 'peak_flops' is empty; give "
                                f"FLOP/s per dtype name, e.g. {{'float32': 1e11}}")
@@ -132,21 +146,26 @@ class DeviceSpec:
         """A DeviceSpec from its JSON object (as `dataclasses.asdict` writes it), checked."""
         types = {"name": (str,), "peak_flops": (dict,), "memory_bytes": (int,),
                  "memory_bandwidth": JSON_NUMBER, "source": (str,)}
-        overhead = LAUNCH_OVERHEAD_S
+        overhead, sms = LAUNCH_OVERHEAD_S, 0
         if isinstance(data, dict) and "launch_overhead_s" in data:  # optional field
             data = dict(data)
             overhead = data.pop("launch_overhead_s")
             check_type(f"{where}.launch_overhead_s", overhead, JSON_NUMBER)
+        if isinstance(data, dict) and "sm_count" in data:  # optional field
+            data = dict(data)
+            sms = data.pop("sm_count")
+            check_type(f"{where}.sm_count", sms, (int,))
         f = checked_fields(data, types, where, prefix=f"{where}.")
         for dtype, value in f["peak_flops"].items():
             check_type(f"{where}.peak_flops[{dtype!r}]", value, JSON_NUMBER)
         return cls(f["name"], {k: float(v) for k, v in f["peak_flops"].items()},
                    f["memory_bytes"], float(f["memory_bandwidth"]), f["source"],
-                   float(overhead))
+                   float(overhead), sms)
 
     def __hash__(self) -> int:  # the dict field is not hashable; hash its items instead
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes,
-                     self.memory_bandwidth, self.source, self.launch_overhead_s))
+                     self.memory_bandwidth, self.source, self.launch_overhead_s,
+                     self.sm_count))
 
     def flops(self, dtype: object, allow_tf32: bool = False) -> float:
         """Peak FLOP/s for `dtype` (a torch dtype or its name); fp32 uses TF32 if allowed."""
@@ -242,26 +261,29 @@ DEVICES: Mapping[str, DeviceSpec] = {d.name: d for d in (
         "V100", _flops(7.8, 15.7, 15.7, 15.7, 125.0), 32 * GiB, 0.90e12,
         "NVIDIA V100 SXM2 datasheet (fp16 tensor 125, fp32 15.7, fp64 7.8 TFLOP/s; 32 GB "
         "HBM2, 900 GB/s); REF. V100 has no TF32 or bf16 tensor cores: tfloat32 and bfloat16 "
-        "are set to the fp32 rate as an upper bound"),
+        "are set to the fp32 rate as an upper bound; 80 SMs (V100 whitepaper)", sm_count=80),
     DeviceSpec(
         "A100-40GB", _flops(9.7, 19.5, 156.0, 312.0, 312.0), 40 * GiB, 1.555e12,
         "NVIDIA A100 SXM4 datasheet (bf16/fp16 312, tf32 156, fp32 19.5, fp64 9.7 TFLOP/s "
-        "dense; 40 GB HBM2, 1555 GB/s); REF"),
+        "dense; 40 GB HBM2, 1555 GB/s; 108 SMs, A100 whitepaper); REF", sm_count=108),
     DeviceSpec(
         "A100-80GB", _flops(9.7, 19.5, 156.0, 312.0, 312.0), 80 * GiB, 2.039e12,
         "NVIDIA A100 SXM4 datasheet (bf16/fp16 312, tf32 156, fp32 19.5, fp64 9.7 TFLOP/s "
-        "dense; 80 GB HBM2e, 2039 GB/s); REF"),
+        "dense; 80 GB HBM2e, 2039 GB/s; 108 SMs, A100 whitepaper); REF", sm_count=108),
     DeviceSpec(
         "H100", _flops(34.0, 67.0, 494.7, 989.4, 989.4), 80 * GiB, 3.35e12,
         "NVIDIA H100 SXM5 datasheet (bf16/fp16 989, tf32 495, fp32 67, fp64 34 TFLOP/s "
-        "dense — 1979 bf16 is with sparsity; 80 GB HBM3, 3.35 TB/s); REF"),
+        "dense — 1979 bf16 is with sparsity; 80 GB HBM3, 3.35 TB/s; 132 SMs, H100 "
+        "whitepaper); REF", sm_count=132),
     DeviceSpec(
         "H200", _flops(34.0, 67.0, 494.7, 989.4, 989.4), 141 * GB, 4.8e12,
-        "NVIDIA H200 SXM datasheet (same compute as H100 SXM; 141 GB HBM3e, 4.8 TB/s); REF"),
+        "NVIDIA H200 SXM datasheet (same compute as H100 SXM, 132 SMs; 141 GB HBM3e, "
+        "4.8 TB/s); REF", sm_count=132),
     DeviceSpec(
         "B200", _flops(40.0, 80.0, 1100.0, 2250.0, 2250.0), 180 * GB, 8.0e12,
         "NVIDIA Blackwell datasheet, HGX B200 at 1000 W (bf16/fp16 2250, tf32 1100, fp32 80, "
-        "fp64 40 TFLOP/s dense; 180 GB HBM3e per GPU in HGX/DGX B200, 8 TB/s); REF"),
+        "fp64 40 TFLOP/s dense; 180 GB HBM3e per GPU in HGX/DGX B200, 8 TB/s; 148 SMs, "
+        "Blackwell architecture brief); REF", sm_count=148),
     DeviceSpec(
         "cpu", {"float64": 5e10, "float32": 1e11, "tfloat32": 1e11, "bfloat16": 5e10,
                 "float16": 5e10}, 24 * GiB, 2e10,

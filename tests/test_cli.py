@@ -140,7 +140,7 @@ def test_calibrate_then_plan_with_the_profile(tmp_path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     out = tmp_path / "calibration.json"
     proc = subprocess.run([sys.executable, "-m", "autohybrid.cli", "calibrate", "--world-size",
-                           "2", "--out", str(out), "--json"], env=env, capture_output=True,
+                           "2", "--repeats", "1", "--out", str(out), "--json"], env=env, capture_output=True,
                           text=True, timeout=guard(110))
     assert proc.returncode == 0, proc.stderr
     profile = ah.Profile.from_json(out)

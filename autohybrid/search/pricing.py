@@ -24,6 +24,7 @@ from typing import Sequence
 
 from ..cost import comm
 from ..cost.compute import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
+from ..cost.gemm import wave_utilization
 from ..cost.memory import dtype_bytes, training_state, usable_bytes
 from ..plan import (MemoryBreakdown, Mesh, Prediction, spatial_groups, spatial_stats_axis,
                     stage_ranks)
@@ -44,18 +45,22 @@ OPTIMIZER_BYTES_PER_PARAM = 16.0
 OPTIMIZER_OPS_PER_TENSOR = {"adam": 10, "sgd": 3, "none": 1}
 #: Attention kernels. "flash" (SDPA's fused kernels, what autohybrid runs) never stores
 #: the score matrix. "materialized" (Megatron-LM before flash attention, the setting of
-#: Korthikanti et al.) writes scores, softmax and dropout mask: per score element about
-#: 8 forward memory accesses, and 2 bytes (scores) + 2 (softmax) + 1 (mask) kept for
-#: backward (their 5·a·s²·b activation term).
+#: Korthikanti et al.) writes scores, softmax and dropout mask: per score element 6.5
+#: forward memory accesses of 2 bytes, counted on Megatron-LM's attention (the first
+#: batched GEMM writes the scores: 1; the fused scale-mask-softmax reads and writes: 2;
+#: dropout reads, writes and writes a 1-byte mask: 2.5; the second batched GEMM reads: 1;
+#: it was 8, a round guess, until the held-out Narayanan et al. rows were added), and
+#: 2 bytes (scores) + 2 (softmax) + 1 (mask) kept for backward (their 5·a·s²·b term).
 ATTENTION_IMPLEMENTATIONS = ("flash", "materialized")
 #: Share of tensor-parallel communication Megatron-Core hides behind compute (its TP
 #: communication overlap). Fitted (grid of 0.05, `published_runs.fit_tp_overlap`) as the
 #: value minimizing the squared log-error of predicted TFLOP/s on the nine Megatron-Core
-#: rows (1.7B–462B) of `shared/reference/published_runs.md`: 0.65, giving predicted /
-#: published 1.04, 0.96, 0.91, 0.91, 1.03, 1.07, 1.07, 1.02, 1.05 (0.0 gives 1.04 … 0.76).
-#: Refitted (was 0.60) when the dp sync started paying each gradient bucket's latency.
-TP_OVERLAP_MEGATRON_CORE = 0.65
-MATERIALIZED_ACCESSES_FORWARD = 8
+#: rows (1.7B–462B) of `shared/reference/published_runs.md`: 0.70, giving predicted /
+#: published 1.03, 0.96, 0.91, 0.91, 1.02, 1.07, 1.07, 1.01, 1.05 (0.0 gives 1.03 … 0.75).
+#: Refitted (was 0.60) when the dp sync started paying each gradient bucket's latency,
+#: and again (was 0.65) when GEMMs started paying tile and wave quantization (cost/gemm.py).
+TP_OVERLAP_MEGATRON_CORE = 0.70
+MATERIALIZED_ACCESSES_FORWARD = 6.5
 MATERIALIZED_SAVED_PER_SCORE = 2 + 2 + 1
 
 
@@ -158,6 +163,10 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
     matmul = (v["mm_sharded"] / t + v["mm_kv"] / kv + v["mm_vocab"] / vocab_ways
               + v["mm_replicated"]) \
         / (peak * MATMUL_EFFICIENCY)
+    if device.sm_count and layer.gemms:  # tiles that do not fill the device's waves
+        ways = {"mm_sharded": t, "mm_kv": kv, "mm_vocab": vocab_ways, "mm_replicated": 1}
+        matmul += quantization_seconds(layer, b, seq, ways, device.sm_count) \
+            / (peak * MATMUL_EFFICIENCY)
     moved = (v["bytes_sharded"] / t + v["bytes_replicated"] * replicated_share) * scale
     other = (v["other_sharded"] / t + v["other_replicated"] * replicated_share) / peak
     bandwidth = device.memory_bandwidth * MEMORY_EFFICIENCY
@@ -212,6 +221,26 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
     kept = v["input_bytes"] * replicated_share * scale
     return LayerTimes(forward, 2 * forward, recompute, tp_comm, saved,
                       kept if full or layout.recompute != "full" else saved, kept, chunks)
+
+
+def quantization_seconds(layer: LayerProfile, b: int, seq: int | None, ways: dict,
+                         sm_count: int) -> float:
+    """FLOPs the layer's GEMMs lose to tile and wave quantization (cost/gemm.py), each
+    GEMM split as tensor parallelism splits it (`ways` per FLOP field): its FLOPs over its
+    utilization minus its FLOPs. Times 1 / (peak · efficiency) that is the extra time."""
+    lost = 0.0
+    for gemm, (count, m, n, k) in zip(layer.gemms, layer.gemm_shapes(b, seq)):
+        split = ways[gemm.field] if gemm.split != "none" else 1
+        if split > 1:
+            if gemm.split == "n":
+                n = math.ceil(n / split)
+            elif gemm.split == "k":
+                k = math.ceil(k / split)
+            else:
+                count = math.ceil(count / split)
+        use = wave_utilization(sm_count, round(count), round(m), round(n))
+        lost += 2 * count * m * n * k * (1 / use - 1)
+    return lost
 
 
 def _tiling(mesh: Mesh) -> tuple:
@@ -395,7 +424,8 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
           graph_dtype_bytes: int, optimizer: str, global_batch: int,
           cache: dict | None = None, attention: str = "flash",
           tp_overlap: float = 0.0, stage_starts: tuple[int, ...] | None = None,
-          pipeline_grad_overlap: bool = False, grad_reduce_dtype: str | None = None) -> Priced:
+          pipeline_grad_overlap: bool = False, grad_reduce_dtype: str | None = None,
+          grad_sync_overlap: bool = True) -> Priced:
     """Predict `layout`; `cache` (any dict, kept across calls) reuses layer times and splits.
 
     `tp_overlap` is the share of tensor-parallel communication hidden behind compute (0 for
@@ -408,6 +438,8 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
     `stage_starts` pins the first layer of each of the pp × v stages (None: balanced).
     `grad_reduce_dtype`: what the dp sync sends (None: the gradients' dtype, which is the
     fp32 master weights' when `dtype` is 16-bit: memory.state_bytes_per_param's accounting).
+    `grad_sync_overlap=False` prices the dp gradient sync after the backward, whole (the
+    Megatron-LM of 2021, which all-reduced its gradients once backward was done).
     """
     cache = {} if cache is None else cache
     if "links" not in cache:
@@ -444,7 +476,8 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
     limit = gather_min_mb(cluster, layout) * 2**20 if layout.recompute != "full" else 0.0
     held = _held(profile, stages, shape, cache, limit, graph_dtype_bytes)
     params_local, tensors = max(held.params), held.tensors
-    overlap = True  # buckets launched during backward (pipelines: the last microbatch's)
+    # buckets launched during backward (pipelines: the last microbatch's)
+    overlap = grad_sync_overlap
     worst, grad_sync, exposed, bucket_mb = _ranks_memory_and_sync(
         cluster, layout, stages, held, dtype, optimizer, overlap, cache, grad_reduce_dtype,
         pipeline_grad_overlap)

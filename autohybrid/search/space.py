@@ -39,6 +39,18 @@ class Collective:
     axis: str = "tp"   # the mesh axis whose group it spans
 
 
+@dataclass(frozen=True)
+class Gemm:
+    """One GEMM of a layer, for the shape-aware price (cost/gemm.py): which FLOP sum it
+    belongs to (`field`, one of _MATMUL_FIELDS) and which dimension tensor parallelism
+    splits ("n": output columns, a column-parallel, key/value or vocabulary linear; "k": the
+    reduced dim, a row-parallel linear; "count": the batch of a batched GEMM, its heads;
+    "none")."""
+
+    field: str
+    split: str
+
+
 @dataclass
 class LayerProfile:
     name: str
@@ -51,6 +63,9 @@ class LayerProfile:
     #: with no sequence region: no row-parallel linear or vocabulary-parallel embedding
     #: whose sum sp would scatter, as in a CNN: passes/sequence_parallel.py)
     sp_region: bool = True
+    gemms: tuple[Gemm, ...] = ()
+    #: (microbatch, sequence) → one (count, m, n, k) per entry of `gemms`, unsplit
+    gemm_shapes: Callable[[int, int], list[tuple[float, float, float, float]]] | None = None
 
 
 def split_ways(split: str, tp: int, kv_heads: int | None = None,
@@ -140,9 +155,10 @@ def profile(gm: fx.GraphModule, dim_roles: dict[sympy.Symbol, str],
         if layer.signature not in compiled:
             compiled[layer.signature] = _compile_layer(layer, layout, subs, batch, seq,
                                                        needs_grad, saved_anywhere)
-        values, collectives, num_ops = compiled[layer.signature]
+        values, collectives, num_ops, gemms, gemm_shapes = compiled[layer.signature]
         layers.append(LayerProfile(layer.name, layer.signature, _layer_params(layer, layout),
-                                   num_ops, values, collectives, sp_region))
+                                   num_ops, values, collectives, sp_region, gemms,
+                                   gemm_shapes))
     unique = {n.meta.get(AH_PARAM, n.name): n.meta[VAL].numel() for n in gm.graph.nodes
               if n.op == "placeholder" and n.meta.get(AH_ROLE) == "param"}
     heads, kv_heads = _heads(gm)
@@ -179,6 +195,7 @@ def _compile_layer(layer: Layer, layout: TensorParallelLayout, subs: dict, batch
     saved: dict[str, fx.Node] = {}
     num_ops = 0
     members = set(layer.nodes)
+    gemms, shapes = [], []
     for node in layer.nodes:
         name = op_name(node)
         if name not in VIEW_OPS and node.target is not operator.getitem:
@@ -188,11 +205,18 @@ def _compile_layer(layer: Layer, layout: TensorParallelLayout, subs: dict, batch
         part = "sharded" if sharded else "replicated"
         mm = name in MATMUL_OPS
         if node.name in layout.kv_linears:
-            sums["mm_kv"].append(forward_flops(node))
+            field_name = "mm_kv"
         elif node.name in layout.vocab_linears:
-            sums["mm_vocab"].append(forward_flops(node))
+            field_name = "mm_vocab"
         else:
-            sums[f"{'mm' if mm else 'other'}_{part}"].append(forward_flops(node))
+            field_name = f"{'mm' if mm else 'other'}_{part}"
+        sums[field_name].append(forward_flops(node))
+        shape = gemm_shape(node)
+        if shape is not None:
+            split = "k" if role == "row" else "n" if role == "column" or field_name in (
+                "mm_kv", "mm_vocab") else "count" if sharded else "none"
+            gemms.append(Gemm(field_name, split))
+            shapes.extend(shape)
         sums[f"bytes_{part}"].append(bytes_moved(node))
         if name == "aten.scaled_dot_product_attention.default":
             sums["attention_flops"].append(forward_flops(node))
@@ -225,6 +249,15 @@ def _compile_layer(layer: Layer, layout: TensorParallelLayout, subs: dict, batch
     def values(b: int, s: int | None) -> dict[str, float]:
         return dict(zip(FIELDS, (float(v) for v in fn(b, s if s is not None else 1))))
 
+    gemm_shapes = None
+    if gemms:
+        shape_fn = sympy.lambdify((batch, seq), [sympy.sympify(e).xreplace(subs)
+                                                 for e in shapes], modules="math")
+
+        def gemm_shapes(b: int, s: int | None) -> list[tuple[float, float, float, float]]:
+            flat = [float(v) for v in shape_fn(b, s if s is not None else 1)]
+            return [tuple(flat[i:i + 4]) for i in range(0, len(flat), 4)]
+
     collectives = []
     names = {n.name for n in layer.nodes}
     for c in layout.collectives:
@@ -232,7 +265,40 @@ def _compile_layer(layer: Layer, layout: TensorParallelLayout, subs: dict, batch
             f = sympy.lambdify((batch, seq), c.nbytes.xreplace(subs), modules="math")
             collectives.append(Collective(c.kind, c.direction,
                                           lambda b, s, f=f: float(f(b, s or 1)), c.axis))
-    return values, collectives, num_ops
+    return values, collectives, num_ops, tuple(gemms), gemm_shapes
+
+
+def gemm_shape(node: fx.Node) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr] | None:
+    """(count, m, n, k) of a GEMM op — `count` GEMMs of an (m × k) by (k × n) product —
+    as sympy expressions; None for other ops (convolutions and attention kernels are not
+    priced by tiles)."""
+    name = op_name(node)
+    out = node.meta.get(VAL)
+    if not isinstance(out, torch.Tensor) or out.dim() == 0:
+        return None
+    args = [a.meta.get(VAL) if isinstance(a, fx.Node) else a for a in node.args]
+    if name == "aten.linear.default":
+        k = sym_expr(args[1].shape[-1])
+    elif name == "aten.addmm.default":
+        k = sym_expr(args[2].shape[0])
+    elif name in ("aten.mm.default", "aten.bmm.default", "aten.matmul.default",
+                  "aten.baddbmm.default"):
+        a, b = args[1:3] if name == "aten.baddbmm.default" else args[:2]
+        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor) or \
+                a.dim() < 2 or b.dim() < 2:
+            return None
+        k = sym_expr(a.shape[-1])
+    else:
+        return None
+    n = sym_expr(out.shape[-1])
+    rows = numel_expr(out) / n
+    batched = name in ("aten.bmm.default", "aten.baddbmm.default") or (
+        name == "aten.matmul.default" and out.dim() > 2 and isinstance(args[1], torch.Tensor)
+        and args[1].dim() > 2)
+    if batched:  # (count, m, n): the leading dims are the batch of GEMMs
+        m = sym_expr(out.shape[-2])
+        return rows / m, m, n, k
+    return sympy.Integer(1), rows, n, k
 
 
 def _heads(gm: fx.GraphModule) -> tuple[int | None, int | None]:
