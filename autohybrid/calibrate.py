@@ -7,6 +7,11 @@ collective α and β.
 
 The cost model keeps its documented efficiencies; a profile replaces the cluster's device
 and link figures so that efficiency × figure equals what was measured here (`apply`).
+Matmuls are timed at several sizes, all ranks at once (a barrier before each, and on CPU
+a window of several scheduler slices, so ranks sharing cores are measured sharing them):
+the best size's rate is the device's figure, and each size's rate over it is the curve
+by which a GEMM of another size is priced (`Profile.matmul_curve`,
+DeviceSpec.gemm_curves, cost/gemm.py) where the device has no tile model.
 Collectives are timed on real processes (`ah.launch`), α and β fitted by least squares on
 the ring all-reduce formula T(n) = 2(p−1)α + 2(p−1)/p · n · β.
 
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import platform
 import statistics
 import time
@@ -45,9 +51,12 @@ PROFILE_VERSION = 1
 ALL_REDUCE_SIZES = (4 << 10, 64 << 10, 1 << 20, 8 << 20)
 #: matmuls timed on CPU (squares) and on CUDA: large squares and GPT-1.3B-like shapes
 #: (tokens × hidden against hidden × 3·hidden / 4·hidden, and back), m×k @ k×n as (m, k, n)
-CPU_MATMULS: tuple = (256, 512, 1024)
+CPU_MATMULS: tuple = (128, 256, 512, 1024)
 CUDA_MATMULS: tuple = (4096, 8192, (8192, 2048, 6144), (8192, 2048, 8192), (8192, 8192, 2048))
 CUDA_DTYPES = (torch.float32, torch.bfloat16)
+#: the least time one CPU matmul timing spans: several of the kernel scheduler's slices
+#: (a few ms each), so ranks sharing cores are measured sharing them
+CPU_TIMING_WINDOW_S = 0.03
 #: collectives timed in a step's context, per kind; priced by kind (cost/comm.py)
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 #: the compute between two timed collectives on CPU: (m, k, n), run twice (a layer's
@@ -77,6 +86,9 @@ class Profile:
     #: collective kind → the share of its time that compute hides when it is started
     #: before that compute (1 − its cost so ÷ its cost between matmuls), largest size
     hidden_share: dict[str, float] = field(default_factory=dict)
+    #: dtype → [[FLOPs of one GEMM, achieved FLOP/s], ...] ascending: the rate by size
+    #: (the slowest rank's), priced where the device has no tile model (cost/gemm.py)
+    matmul_curve: dict[str, list[list[float]]] = field(default_factory=dict)
     version: int = PROFILE_VERSION
 
     def hash(self) -> str:
@@ -120,6 +132,12 @@ class Profile:
                          source=f"calibrated on {self.machine} ({self.hash()})")
         if self.launch_overhead_s is not None:
             device = replace(device, launch_overhead_s=self.launch_overhead_s)
+        curves = tuple((dtype, tuple((float(f), rate / self.matmul_flops[dtype])
+                                     for f, rate in points))
+                       for dtype, points in sorted(self.matmul_curve.items())
+                       if points and self.matmul_flops.get(dtype))
+        if curves:
+            device = replace(device, gemm_curves=curves)
         out = replace(cluster, device=device)
         if self.all_reduce_latency_s is not None and self.all_reduce_bandwidth is not None:
             link = LinkSpec(name=f"{cluster.intra_link.name}-calibrated",
@@ -149,22 +167,36 @@ def device_time(fn, repeats: int, device: str = "cpu") -> float:
     return cuda_time(fn, repeats) if str(device).startswith("cuda") else _timed(fn, repeats)
 
 
+def gemm_flops(size: int | Sequence[int]) -> int:
+    """FLOPs of one (m, k) @ (k, n) matmul, `size` an int (a square) or (m, k, n)."""
+    m, k, n = (size, size, size) if isinstance(size, int) else tuple(size)
+    return 2 * m * k * n
+
+
 def measure_matmul(size: int | Sequence[int], dtype: torch.dtype, repeats: int = 5,
                    device: str = "cpu") -> float:
     """Achieved FLOP/s of an (m, k) @ (k, n) matmul, `size` an int (a square) or (m, k, n).
 
     On CUDA each timing is CUDA events around several back-to-back matmuls after a
     synchronize (kernels are asynchronous: a host clock around one launch measures the
-    launch), the median over `repeats`; on CPU the host clock around one matmul."""
+    launch), the median over `repeats`; on CPU the host clock around as many matmuls as
+    fill `CPU_TIMING_WINDOW_S`, the median over `repeats` (a window shorter than the
+    scheduler's slice would miss the time a rank waits for a core it shares)."""
     m, k, n = (size, size, size) if isinstance(size, int) else tuple(size)
-    flops = 2 * m * k * n
-    if not device.startswith("cuda"):
-        a = torch.randn(m, k, device=device).to(dtype)
-        b = torch.randn(k, n, device=device).to(dtype)
-    else:
+    flops = gemm_flops(size)
+    if device.startswith("cuda"):
         a = torch.randn(m, k, device=device, dtype=dtype)
         b = torch.randn(k, n, device=device, dtype=dtype)
-    return flops / device_time(lambda: torch.mm(a, b), repeats, device)
+        return flops / device_time(lambda: torch.mm(a, b), repeats, device)
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, n, device=device).to(dtype)
+    one = _timed(lambda: torch.mm(a, b), 1)
+    inner = max(1, math.ceil(CPU_TIMING_WINDOW_S / max(one, 1e-9)))
+
+    def window() -> None:
+        for _ in range(inner):
+            torch.mm(a, b)
+    return flops * inner / _timed(window, repeats)
 
 
 def cuda_time(fn, repeats: int, inner: int = 10) -> float:
@@ -353,10 +385,18 @@ def _time_in_context(sizes: Sequence[int], repeats: int, device: torch.device
 def _measure(rank: int, matmul_sizes: Sequence, dtypes: Sequence[torch.dtype],
              repeats: int, all_reduce_sizes: Sequence[int], device: str) -> dict:
     """One rank's figures; all ranks measure at once, as they will train (contention)."""
-    flops = {str(d).removeprefix("torch."): max(measure_matmul(s, d, repeats, device)
-                                                for s in matmul_sizes) for d in dtypes}
-    result = {"flops": flops, "bandwidth": measure_bandwidth(repeats=repeats, device=device),
-              "launch_s": measure_launch_overhead(repeats=repeats, device=device)}
+    def together(fn):  # every rank starts the measurement at once: ranks sharing cores
+        if dist.is_initialized():  # are measured sharing them
+            dist.barrier()
+        return fn()
+
+    rates = {str(d).removeprefix("torch."): [
+        together(lambda: measure_matmul(s, d, repeats, device)) for s in matmul_sizes]
+        for d in dtypes}
+    result = {"rates": rates,
+              "bandwidth": together(lambda: measure_bandwidth(repeats=repeats, device=device)),
+              "launch_s": together(lambda: measure_launch_overhead(repeats=repeats,
+                                                                   device=device))}
     if dist.is_initialized() and dist.get_world_size() > 1:
         result["all_reduce_s"] = _time_all_reduce(all_reduce_sizes, max(repeats, 20),
                                                   _rank_device(device))
@@ -390,9 +430,12 @@ def calibrate(cluster: Cluster | None = None, *, matmul_sizes: Sequence | None =
             from .runtime.launch import launch
             results = launch(_measure, cluster, args=args, start_method=start_method)
         bar.advance()
-    flops = {d: min(r["flops"][d] for r in results) for d in results[0]["flops"]}
+    # per size the slowest rank's rate; a dtype's figure is its best size's
+    curve = {d: sorted([gemm_flops(size), min(r["rates"][d][i] for r in results)]
+                       for i, size in enumerate(matmul_sizes)) for d in results[0]["rates"]}
+    flops = {d: max(rate for _, rate in points) for d, points in curve.items()}
     profile = Profile(machine=f"{platform.node()} {platform.machine()} {device}",
-                      matmul_flops=flops,
+                      matmul_flops=flops, matmul_curve=curve,
                       memory_bandwidth=min(r["bandwidth"] for r in results),
                       world_size=len(results),
                       launch_overhead_s=max(r["launch_s"] for r in results))

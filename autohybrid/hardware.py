@@ -112,6 +112,30 @@ def checked_fields(data: object, types: Mapping[str, tuple[type, ...]], where: s
     return dict(data)
 
 
+def _gemm_curves(value: object, where: str) -> tuple:
+    """DeviceSpec.gemm_curves from JSON ([[dtype, [[flops, share], ...]], ...]), checked."""
+    def bad() -> ClusterError:
+        return ClusterError(f"{where} must be a list of [dtype name, [[GEMM FLOPs, share of "
+                            f"the best rate], ...]] (as `ah.calibrate` writes), got {value!r}"
+                            [:300])
+    if not isinstance(value, (list, tuple)):
+        raise bad()
+    out = []
+    for entry in value:
+        if not isinstance(entry, (list, tuple)) or len(entry) != 2 or \
+                not isinstance(entry[0], str) or not isinstance(entry[1], (list, tuple)):
+            raise bad()
+        points = []
+        for point in entry[1]:
+            if not isinstance(point, (list, tuple)) or len(point) != 2 or not all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+                    for x in point):
+                raise bad()
+            points.append((float(point[0]), float(point[1])))
+        out.append((entry[0], tuple(sorted(points))))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class DeviceSpec:
     """One accelerator (or one CPU process's share of a host): compute, memory, source."""
@@ -127,6 +151,10 @@ class DeviceSpec:
     #: in waves (cost/gemm.py); 0: no tile model (a CPU, an unknown device): every GEMM
     #: at the one efficiency of cost/compute.py
     sm_count: int = 0
+    #: measured GEMM rate by size, per dtype name: ((FLOPs of one GEMM call, its rate over
+    #: the best measured rate), ...) ascending, from `ah.calibrate`; priced where there is
+    #: no tile model (cost/gemm.py `curve_utilization`). Empty: one rate for every GEMM
+    gemm_curves: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
 
     def __post_init__(self) -> None:
         _check_positive(f"device {self.name!r}", "memory_bytes", self.memory_bytes)
@@ -146,7 +174,7 @@ class DeviceSpec:
         """A DeviceSpec from its JSON object (as `dataclasses.asdict` writes it), checked."""
         types = {"name": (str,), "peak_flops": (dict,), "memory_bytes": (int,),
                  "memory_bandwidth": JSON_NUMBER, "source": (str,)}
-        overhead, sms = LAUNCH_OVERHEAD_S, 0
+        overhead, sms, curves = LAUNCH_OVERHEAD_S, 0, ()
         if isinstance(data, dict) and "launch_overhead_s" in data:  # optional field
             data = dict(data)
             overhead = data.pop("launch_overhead_s")
@@ -155,17 +183,20 @@ class DeviceSpec:
             data = dict(data)
             sms = data.pop("sm_count")
             check_type(f"{where}.sm_count", sms, (int,))
+        if isinstance(data, dict) and "gemm_curves" in data:  # optional field
+            data = dict(data)
+            curves = _gemm_curves(data.pop("gemm_curves"), f"{where}.gemm_curves")
         f = checked_fields(data, types, where, prefix=f"{where}.")
         for dtype, value in f["peak_flops"].items():
             check_type(f"{where}.peak_flops[{dtype!r}]", value, JSON_NUMBER)
         return cls(f["name"], {k: float(v) for k, v in f["peak_flops"].items()},
                    f["memory_bytes"], float(f["memory_bandwidth"]), f["source"],
-                   float(overhead), sms)
+                   float(overhead), sms, curves)
 
     def __hash__(self) -> int:  # the dict field is not hashable; hash its items instead
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes,
                      self.memory_bandwidth, self.source, self.launch_overhead_s,
-                     self.sm_count))
+                     self.sm_count, self.gemm_curves))
 
     def flops(self, dtype: object, allow_tf32: bool = False) -> float:
         """Peak FLOP/s for `dtype` (a torch dtype or its name); fp32 uses TF32 if allowed."""

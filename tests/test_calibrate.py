@@ -171,11 +171,55 @@ def test_a_calibrated_launch_overhead_prices_every_op_and_optimizer_tensor():
     assert steps[2e-5] - steps[1e-6] == pytest.approx(expected, rel=1e-9)
 
 
+@pytest.mark.timeout(60)
+def test_gemms_are_priced_at_the_calibrated_rate_of_their_size():
+    """A profile's rates by GEMM size reach the device as shares of the best rate
+    (DeviceSpec.gemm_curves, kept through the cluster JSON); a GEMM between two measured
+    sizes is priced at the rate interpolated in log FLOPs; the block of a model whose
+    GEMMs ran at half the best rate costs its matmul time twice; a tile model (a GPU's
+    SMs) takes precedence."""
+    from dataclasses import replace
+    from autohybrid.capture import capture
+    from autohybrid.cost.gemm import curve_utilization, utilization
+    from autohybrid.plan import Mesh
+    from autohybrid.search.pricing import Layout, layer_times
+    from autohybrid.search.space import profile as model_profile
+
+    curve = ((1e6, 0.5), (1e8, 1.0))
+    assert curve_utilization(curve, 1e7) == pytest.approx(0.75)
+    assert curve_utilization(curve, 1e3) == 0.5 and curve_utilization(curve, 1e12) == 1.0
+    measured = _profile(matmul_curve={"float32": [[1e6, 2.5e10], [1e8, 5e10]]})
+    cluster = measured.apply(ah.Cluster.local(1))
+    assert cluster.device.gemm_curves == (("float32", ((1e6, 0.5), (1e8, 1.0))),)
+    assert ah.Cluster.from_json(cluster.to_json()).device == cluster.device
+    assert utilization(cluster.device, "float32", 1, 10, 10, 50000) == pytest.approx(0.75)
+    tiled = replace(cluster.device, sm_count=108)  # one wave of 108 tiles of 128 × 128
+    assert utilization(tiled, "float32", 1, 128, 108 * 128, 8) == 1
+
+    model = ah.models.preset("gpt-tiny", device="meta")
+    (tokens,), targets = ah.models.example_batch(model, 4, device="meta")
+    cap = capture(model, (tokens,), lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten()),
+                  targets)
+    block = next(layer for layer in model_profile(cap.gm, cap.dim_roles).layers
+                 if layer.gemms)
+    plain = _profile().apply(ah.Cluster.local(1))   # large GEMMs at 5e10 FLOP/s
+    slow = replace(plain.device, gemm_curves=(("float32", ((1.0, 0.5),)),))  # all at half
+    layout = Layout(Mesh(pp=1, dp=1, tp=1), 4, 1)
+    base = layer_times(block, plain, layout, 16, "float32", 4).forward
+    halved = layer_times(block, replace(plain, device=slow), layout, 16, "float32", 4).forward
+    flops = sum(2 * c * m * n * k for c, m, n, k in block.gemm_shapes(4, 16))
+    assert halved - base == pytest.approx(flops / 5e10, rel=1e-9)
+
+
 @pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_calibrate_measures_two_local_ranks_and_plans_use_it():
     profile = calibrate(ah.Cluster.local(2), matmul_sizes=(128, 256), repeats=3)
     assert profile.world_size == 2 and profile.matmul_flops["float32"] > 1e8
+    # the rate of each size, the best of them the profile's figure
+    (small, rate_small), (large, rate_large) = profile.matmul_curve["float32"]
+    assert (small, large) == (2 * 128**3, 2 * 256**3)
+    assert max(rate_small, rate_large) == profile.matmul_flops["float32"]
     assert profile.memory_bandwidth > 1e8
     assert profile.all_reduce_latency_s is not None and len(profile.samples["all_reduce_s"]) == 4
     assert 1e-8 < profile.launch_overhead_s < 1e-3
@@ -215,8 +259,8 @@ def test_cuda_calibration_times_bf16_transformer_gemms_with_cuda_events(monkeypa
 
     def fake_measure(rank, sizes, dtypes, repeats, ar_sizes, device):
         seen.update(sizes=sizes, dtypes=dtypes, device=device)
-        return {"flops": {"bfloat16": 5e14, "float32": 5e13}, "bandwidth": 4e12,
-                "launch_s": 1e-5}
+        return {"bandwidth": 4e12, "launch_s": 1e-5, "rates": {"bfloat16": [5e14] * len(sizes),
+                                            "float32": [5e13] * len(sizes)}}
     monkeypatch.setattr(cal, "_measure", fake_measure)
     gpu = types.SimpleNamespace(device_type="cuda", world_size=1)
     profile = calibrate(gpu)

@@ -10,7 +10,9 @@ least, so the utilization is the best over the tiles.
 
 Utilization multiplies the large-GEMM efficiency of cost/compute.py (MATMUL_EFFICIENCY):
 a GEMM that fills its waves exactly runs at that efficiency, the rest below it. A device
-without an SM count (a CPU, a calibrated unknown device) has no tile model: utilization 1.
+without an SM count (a CPU, an unknown device) has no tile model; where `ah.calibrate`
+timed GEMMs of several sizes (DeviceSpec.gemm_curves) a GEMM runs at the measured rate
+of its size relative to the best (`curve_utilization`), else at utilization 1.
 
 >>> from autohybrid import hardware
 >>> a100 = hardware.device("A100-80GB")
@@ -21,7 +23,7 @@ without an SM count (a CPU, a calibrated unknown device) has no tile model: util
 """
 from __future__ import annotations
 
-from math import ceil
+from math import ceil, log
 
 from ..hardware import GEMM_TILES
 
@@ -37,3 +39,27 @@ def wave_utilization(sm_count: int, count: int, m: int, n: int) -> float:
         waves = ceil(tiles / sm_count)
         best = max(best, count * m * n / (waves * sm_count * rows * cols))
     return best
+
+
+def curve_utilization(curve: tuple[tuple[float, float], ...], flops: float) -> float:
+    """The measured rate of a GEMM call of `flops` relative to the best measured (`curve`:
+    ascending (FLOPs, share) points), linear in log FLOPs between points, the end points'
+    share beyond them."""
+    if not curve:
+        return 1.0
+    if flops <= curve[0][0]:
+        return curve[0][1]
+    for (f0, u0), (f1, u1) in zip(curve, curve[1:]):
+        if flops <= f1:
+            return u0 + (u1 - u0) * (log(flops) - log(f0)) / (log(f1) - log(f0))
+    return curve[-1][1]
+
+
+def utilization(device, dtype: str, count: int, m: int, n: int, k: int) -> float:
+    """The share of `device`'s large-GEMM rate a call of `count` (m × k)·(k × n) GEMMs
+    gets: the tile model where the device has SMs, its calibrated curve for `dtype`
+    where it has one, else 1."""
+    if device.sm_count:
+        return wave_utilization(device.sm_count, count, m, n)
+    curve = dict(device.gemm_curves).get(dtype)
+    return curve_utilization(curve, 2.0 * count * m * n * k) if curve else 1.0

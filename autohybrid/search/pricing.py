@@ -24,7 +24,7 @@ from typing import Sequence
 
 from ..cost import comm
 from ..cost.compute import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
-from ..cost.gemm import wave_utilization
+from ..cost.gemm import utilization
 from ..cost.memory import dtype_bytes, training_state, usable_bytes
 from ..plan import (MemoryBreakdown, Mesh, Prediction, spatial_groups, spatial_stats_axis,
                     stage_ranks)
@@ -163,9 +163,9 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
     matmul = (v["mm_sharded"] / t + v["mm_kv"] / kv + v["mm_vocab"] / vocab_ways
               + v["mm_replicated"]) \
         / (peak * MATMUL_EFFICIENCY)
-    if device.sm_count and layer.gemms:  # tiles that do not fill the device's waves
+    if layer.gemms and (device.sm_count or device.gemm_curves):  # rates by GEMM shape
         ways = {"mm_sharded": t, "mm_kv": kv, "mm_vocab": vocab_ways, "mm_replicated": 1}
-        matmul += quantization_seconds(layer, b, seq, ways, device.sm_count) \
+        matmul += shape_lost_flops(layer, b, seq, ways, device, dtype) \
             / (peak * MATMUL_EFFICIENCY)
     moved = (v["bytes_sharded"] / t + v["bytes_replicated"] * replicated_share) * scale
     other = (v["other_sharded"] / t + v["other_replicated"] * replicated_share) / peak
@@ -223,11 +223,12 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
                       kept if full or layout.recompute != "full" else saved, kept, chunks)
 
 
-def quantization_seconds(layer: LayerProfile, b: int, seq: int | None, ways: dict,
-                         sm_count: int) -> float:
-    """FLOPs the layer's GEMMs lose to tile and wave quantization (cost/gemm.py), each
-    GEMM split as tensor parallelism splits it (`ways` per FLOP field): its FLOPs over its
-    utilization minus its FLOPs. Times 1 / (peak · efficiency) that is the extra time."""
+def shape_lost_flops(layer: LayerProfile, b: int, seq: int | None, ways: dict, device,
+                     dtype: str) -> float:
+    """FLOPs the layer's GEMMs lose to their shapes (cost/gemm.py: tile and wave
+    quantization on a GPU, the calibrated rate by size elsewhere), each GEMM split as
+    tensor parallelism splits it (`ways` per FLOP field): its FLOPs over its utilization
+    minus its FLOPs. Times 1 / (peak · efficiency) that is the extra time."""
     lost = 0.0
     for gemm, (count, m, n, k) in zip(layer.gemms, layer.gemm_shapes(b, seq)):
         split = ways[gemm.field] if gemm.split != "none" else 1
@@ -238,7 +239,7 @@ def quantization_seconds(layer: LayerProfile, b: int, seq: int | None, ways: dic
                 k = math.ceil(k / split)
             else:
                 count = math.ceil(count / split)
-        use = wave_utilization(sm_count, round(count), round(m), round(n))
+        use = utilization(device, dtype, round(count), round(m), round(n), round(k))
         lost += 2 * count * m * n * k * (1 / use - 1)
     return lost
 
