@@ -37,9 +37,9 @@ from typing import Any, Iterable, Mapping
 
 from autohybrid.errors import ClusterError
 
-__all__ = ["DeviceSpec", "LinkSpec", "DEVICES", "LINKS", "GEMM_TILES", "device", "link",
-           "dtype_name", "closest_name", "match_cuda_device", "PCIE_LINK_OF", "check_type",
-           "checked_fields"]
+__all__ = ["DeviceSpec", "LinkSpec", "DEVICES", "LINKS", "GEMM_TILES", "ATTENTION_QUERY_BLOCK",
+           "device", "link", "dtype_name", "closest_name", "match_cuda_device",
+           "PCIE_LINK_OF", "check_type", "checked_fields"]
 
 GiB = 2**30
 GB = 10**9
@@ -60,6 +60,10 @@ LAUNCH_OVERHEAD_S = 5e-6
 #: "Matrix Multiplication Background" (tile quantization, wave quantization; cuBLAS's
 #: tiles 256×128, 128×128, 128×64 …, larger tiles being the more efficient per FLOP).
 GEMM_TILES = ((256, 128), (128, 128), (128, 64))
+#: Queries per thread block of fused (flash) attention: one block per (sample, head,
+#: 128 queries) over the whole head dimension. Source: Dao, "FlashAttention-2" (2023),
+#: §3.2 (parallelism over the sequence length; block sizes {64, 128} × {64, 128}).
+ATTENTION_QUERY_BLOCK = 128
 
 DTYPE_NAMES = ("float64", "float32", "tfloat32", "bfloat16", "float16")
 

@@ -219,6 +219,11 @@ def test_gemms_pay_tile_and_wave_quantization_on_gpus_only():
     shapes = dict(zip([(g.field, g.split) for g in block.gemms], block.gemm_shapes(2, 1024)))
     assert shapes[("mm_sharded", "n")] in ((1, 2048, 3 * 2304, 2304), (1, 2048, 4 * 2304, 2304))
     assert shapes[("mm_sharded", "k")] in ((1, 2048, 2304, 2304), (1, 2048, 2304, 4 * 2304))
+    (attention,) = [g for g in block.gemms if g.kind == "attention"]  # SDPA: 24 heads
+    assert attention.split == "count" and block.gemm_shapes(2, 1024)[
+        block.gemms.index(attention)] == (2 * 24, 1024, 96, 2 * 1024)
+    from autohybrid.cost.gemm import attention_utilization
+    assert attention_utilization(108, 2 * 24, 1024) == pytest.approx(384 / 432)  # 4 waves
     a100 = ah.Cluster.preset("dgx-a100-80gb")
     untiled = replace(a100, device=replace(a100.device, sm_count=0))
     for tp, least in ((1, 1.0), (8, 1.05)):

@@ -12,7 +12,9 @@ Utilization multiplies the large-GEMM efficiency of cost/compute.py (MATMUL_EFFI
 a GEMM that fills its waves exactly runs at that efficiency, the rest below it. A device
 without an SM count (a CPU, an unknown device) has no tile model; where `ah.calibrate`
 timed GEMMs of several sizes (DeviceSpec.gemm_curves) a GEMM runs at the measured rate
-of its size relative to the best (`curve_utilization`), else at utilization 1.
+of its size relative to the best (`curve_utilization`), else at utilization 1. Fused
+attention (SDPA's flash kernels) is tiled by blocks of queries per head
+(`attention_utilization`); on a device without SMs it keeps utilization 1.
 
 >>> from autohybrid import hardware
 >>> a100 = hardware.device("A100-80GB")
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 from math import ceil, log
 
-from ..hardware import GEMM_TILES
+from ..hardware import ATTENTION_QUERY_BLOCK, GEMM_TILES
 
 
 def wave_utilization(sm_count: int, count: int, m: int, n: int) -> float:
@@ -55,11 +57,27 @@ def curve_utilization(curve: tuple[tuple[float, float], ...], flops: float) -> f
     return curve[-1][1]
 
 
-def utilization(device, dtype: str, count: int, m: int, n: int, k: int) -> float:
+def attention_utilization(sm_count: int, count: int, queries: int) -> float:
+    """Share of the SM-time fused attention over `count` (batch × heads) of `queries`
+    queries uses: one thread block per head and block of `ATTENTION_QUERY_BLOCK` queries
+    (each over the whole head dimension and every key), in waves of `sm_count`."""
+    if not sm_count or count <= 0 or queries <= 0:
+        return 1.0
+    tiles = count * ceil(queries / ATTENTION_QUERY_BLOCK)
+    return count * queries / (ceil(tiles / sm_count) * sm_count * ATTENTION_QUERY_BLOCK)
+
+
+def utilization(device, dtype: str, count: int, m: int, n: int, k: int,
+                kind: str = "gemm") -> float:
     """The share of `device`'s large-GEMM rate a call of `count` (m × k)·(k × n) GEMMs
-    gets: the tile model where the device has SMs, its calibrated curve for `dtype`
-    where it has one, else 1."""
+    gets (`kind` "attention": fused attention of `count` heads over m queries): the tile
+    model where the device has SMs, its calibrated curve for `dtype` where it has one
+    (GEMMs only: the curve times matmuls), else 1."""
     if device.sm_count:
+        if kind == "attention":
+            return attention_utilization(device.sm_count, count, m)
         return wave_utilization(device.sm_count, count, m, n)
+    if kind == "attention":
+        return 1.0
     curve = dict(device.gemm_curves).get(dtype)
     return curve_utilization(curve, 2.0 * count * m * n * k) if curve else 1.0

@@ -56,9 +56,10 @@ ATTENTION_IMPLEMENTATIONS = ("flash", "materialized")
 #: communication overlap). Fitted (grid of 0.05, `published_runs.fit_tp_overlap`) as the
 #: value minimizing the squared log-error of predicted TFLOP/s on the nine Megatron-Core
 #: rows (1.7B–462B) of `shared/reference/published_runs.md`: 0.70, giving predicted /
-#: published 1.03, 0.96, 0.91, 0.91, 1.02, 1.07, 1.07, 1.01, 1.05 (0.0 gives 1.03 … 0.75).
+#: published 1.03, 0.95, 0.91, 0.90, 1.02, 1.06, 1.06, 1.01, 1.04 (0.0 gives 1.03 … 0.74).
 #: Refitted (was 0.60) when the dp sync started paying each gradient bucket's latency,
-#: and again (was 0.65) when GEMMs started paying tile and wave quantization (cost/gemm.py).
+#: and again (was 0.65) when GEMMs and attention started paying tile and wave quantization
+#: (cost/gemm.py).
 TP_OVERLAP_MEGATRON_CORE = 0.70
 MATERIALIZED_ACCESSES_FORWARD = 6.5
 MATERIALIZED_SAVED_PER_SCORE = 2 + 2 + 1
@@ -239,7 +240,8 @@ def shape_lost_flops(layer: LayerProfile, b: int, seq: int | None, ways: dict, d
                 k = math.ceil(k / split)
             else:
                 count = math.ceil(count / split)
-        use = utilization(device, dtype, round(count), round(m), round(n), round(k))
+        use = utilization(device, dtype, round(count), round(m), round(n), round(k),
+                          gemm.kind)
         lost += 2 * count * m * n * k * (1 / use - 1)
     return lost
 

@@ -49,6 +49,7 @@ class Gemm:
 
     field: str
     split: str
+    kind: str = "gemm"   # "attention": a fused attention kernel (cost/gemm.py)
 
 
 @dataclass
@@ -215,7 +216,9 @@ def _compile_layer(layer: Layer, layout: TensorParallelLayout, subs: dict, batch
         if shape is not None:
             split = "k" if role == "row" else "n" if role == "column" or field_name in (
                 "mm_kv", "mm_vocab") else "count" if sharded else "none"
-            gemms.append(Gemm(field_name, split))
+            kind = "attention" if name == "aten.scaled_dot_product_attention.default" \
+                else "gemm"
+            gemms.append(Gemm(field_name, split, kind))
             shapes.extend(shape)
         sums[f"bytes_{part}"].append(bytes_moved(node))
         if name == "aten.scaled_dot_product_attention.default":
@@ -270,13 +273,20 @@ def _compile_layer(layer: Layer, layout: TensorParallelLayout, subs: dict, batch
 
 def gemm_shape(node: fx.Node) -> tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr] | None:
     """(count, m, n, k) of a GEMM op — `count` GEMMs of an (m × k) by (k × n) product —
-    as sympy expressions; None for other ops (convolutions and attention kernels are not
-    priced by tiles)."""
+    as sympy expressions; None for other ops (convolutions are not priced by tiles). Fused
+    attention (q: B, H, Tq, D; k: B, H, Tk, D) is B·H heads of Tq queries, with k = 2·Tk:
+    its two GEMMs' FLOPs, 4·B·H·Tq·Tk·D."""
     name = op_name(node)
     out = node.meta.get(VAL)
     if not isinstance(out, torch.Tensor) or out.dim() == 0:
         return None
     args = [a.meta.get(VAL) if isinstance(a, fx.Node) else a for a in node.args]
+    if name == "aten.scaled_dot_product_attention.default":
+        q, key = args[0], args[1]
+        if not isinstance(q, torch.Tensor) or q.dim() < 2 or not isinstance(key, torch.Tensor):
+            return None
+        queries, dim = sym_expr(q.shape[-2]), sym_expr(q.shape[-1])
+        return numel_expr(q) / (queries * dim), queries, dim, 2 * sym_expr(key.shape[-2])
     if name == "aten.linear.default":
         k = sym_expr(args[1].shape[-1])
     elif name == "aten.addmm.default":
