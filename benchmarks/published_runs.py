@@ -180,8 +180,8 @@ def narayanan_layouts(row):
     dp = gpus // (tp * pp)
     local = batch // dp
     for micro in (m for m in range(1, local + 1) if local % m == 0):
-        schedules = [("1f1b", 1)] + [("interleaved", v) for v in (2, 3, 4, 5)
-                                     if (layers // pp) % v == 0] if pp > 1 else [("none", 1)]
+        schedules = ([("1f1b", 1)] + [("interleaved", v) for v in (2, 3, 4, 5)
+                                      if (layers // pp) % v == 0]) if pp > 1 else [("none", 1)]
         for schedule, v in schedules:
             yield Layout(Mesh(pp=pp, dp=dp, tp=tp, sp=False), micro, local // micro,
                          schedule=schedule, virtual_stages=v, recompute="full",
@@ -192,8 +192,8 @@ def predict_narayanan(row, prof=None) -> dict:
     """The fastest fitting layout of `narayanan_layouts` and its TFLOP/s per GPU (the
     paper's FLOP count). Priced as Megatron-LM ran then: fp16, attention scores
     materialized, no sequence parallelism, the dp gradients all-reduced in fp16 after the
-    backward (its DDP's default for fp16: --accumulate-allreduce-grads-in-fp32 off; the
-    overlap with backward came later, Megatron-Core's --overlap-grad-reduce)."""
+    backward (its DDP then: fp16 gradients unless --accumulate-allreduce-grads-in-fp32;
+    the overlap with backward came later, Megatron-Core's --overlap-grad-reduce)."""
     name, heads, hidden, layers, tp, pp, gpus, batch, published = row
     seq, vocab = NARAYANAN_SEQ, NARAYANAN_VOCAB
     prof = prof if prof is not None else gpt_profile(layers, hidden, heads, vocab, seq)
@@ -208,6 +208,8 @@ def predict_narayanan(row, prof=None) -> dict:
         if priced.fits and (best is None or priced.prediction.step_time_s
                             < best[1].prediction.step_time_s):
             best = (layout, priced)
+    if best is None:
+        raise ValueError(f"{name}: no layout of the published configuration fits")
     layout, priced = best
     tflops = flops / priced.prediction.step_time_s / gpus / 1e12
     return {"name": name, "layout": layout, "tflops": tflops, "published": published,
