@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from . import logs
 from .cluster import Cluster
+from .cost import comm
 from .cost.compute import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
 from .errors import AutohybridError
 from .hardware import LinkSpec
@@ -64,8 +65,8 @@ COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 CONTEXT_MATMUL = (1024, 256, 1024)
 CONTEXT_ITERATIONS = 6
 #: collectives the runtime starts before the compute they overlap (dp gradient buckets:
-#: all-reduces, ZeRO-1/2's reduce-scatters; ZeRO-3's prefetched gathers): how much of
-#: each that compute hides is measured too
+#: all-reduces, ZeRO-1/2's reduce-scatters; ZeRO-3's prefetched gathers and deferred
+#: reduce-scatters): how much of each that compute hides is measured too
 OVERLAPPED_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
@@ -241,11 +242,9 @@ def measure_launch_overhead(ops: int = 1000, repeats: int = 5, device: str = "cp
     return _timed(run, repeats) / (3 * ops)
 
 
-#: T(n) = a·α + b·n·β of each collective kind on p ranks: (a, b) (cost/comm.py's formulas)
-FORMULAS = {"all_reduce": lambda p: (2 * (p - 1), 2 * (p - 1) / p),
-            "all_gather": lambda p: (p - 1, (p - 1) / p),
-            "reduce_scatter": lambda p: (p - 1, (p - 1) / p),
-            "send_recv": lambda p: (1, 1)}
+#: T(n) = a·α + b·n·β of each collective kind on p ranks: (a, b), as the cost model
+#: prices them
+FORMULAS = comm.COEFFICIENTS
 
 
 def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], ranks: int,
@@ -312,7 +311,9 @@ def _collective(kind: str, nbytes: int, world: int, device: torch.device,
     peer = rank ^ 1  # send_recv: ranks in pairs, the even one sends (a pipeline's hop)
     run = {"all_reduce": lambda: dist.all_reduce(whole, async_op=async_op),
            "all_gather": lambda: all_gather_single(whole, part, async_op=async_op),
-           "reduce_scatter": lambda: reduce_scatter_single(part, whole, async_op=async_op),
+           # as the runtime's gradient reduce-scatters run (on gloo: an all-reduce)
+           "reduce_scatter": lambda: reduce_scatter_single(part, whole, async_op=async_op,
+                                                           input_scratch=True),
            "send_recv": (lambda: None) if peer >= world else
            (lambda: dist.isend(whole, peer)) if rank % 2 == 0 else
            (lambda: dist.irecv(whole, peer))}[kind]

@@ -60,7 +60,7 @@ from .init import replace_parameters
 from .runtime.materialize import Materializer, retarget_device
 from .runtime.precision import loss_scaler, refuse_nonfinite_loss
 from .batch_spec import BatchSpec
-from .runtime.batch_agreement import agree_on_batch
+from .runtime.batch_agreement import Agreement, runs_no_collective, start_agreement
 from .runtime.selfcheck import check_mode, make_check
 from .runtime.zero import ZeroShards
 
@@ -157,6 +157,8 @@ class CompiledModel:
         self.step = 0
         self._stepped = False  # a train_step completed (runtime/timeouts.step_bound)
         self._pretuned: set[str] = set()  # programs whose fused kernels were tuned
+        #: (the training program, whether its graphs call no collective): _deferrable
+        self._local_program: tuple[Any, bool] | None = None
         record_step(0)
 
     def _capture_at_compile(self, example_targets: Any) -> CapturedGraph:
@@ -444,8 +446,9 @@ class CompiledModel:
         ops_groups.restore(self._groups)
         inputs = self._inputs(inputs, "inputs", len(self.example_inputs))
         targets = self._inputs(targets, "targets", None)
-        self._check_batch(None if self._train_stale else self._train, (*inputs, *targets),
-                          local)   # a stale graph: checked once captured again
+        # a stale graph: checked once captured again
+        agreement = self._check_batch(None if self._train_stale else self._train,
+                                      (*inputs, *targets), local, defer=self._deferrable())
         if self._train is None or self._train_stale:
             if not targets and self.loss_fn is not None:
                 raise AutohybridError("train_step needs targets when a loss_fn is given")
@@ -465,8 +468,10 @@ class CompiledModel:
             p.grad = None
         train = self.programs["train"]
         self._pretune("train", train, (inputs, targets), local)
-        result = self.executor.forward_backward(train.runnable, train.loss_kind, inputs,
-                                                targets, local, self._runner("train"))
+        result = self.executor.forward_backward(
+            train.runnable, train.loss_kind, inputs, targets, local, self._runner("train"),
+            before_backward=agreement.settle if agreement is not None
+            and not agreement.settled else None)
         self.found_inf = result.found_inf
         self.last_sample_stats = result.stats
         return result.loss
@@ -550,9 +555,11 @@ class CompiledModel:
         except Exception as exc:  # torch's: name the node, its module and what to do
             raise StepFailure.of(exc, "train_step", self.plan) from exc
 
-    def _check_batch(self, cap: CapturedGraph | None, batch: tuple, local: bool) -> None:
+    def _check_batch(self, cap: CapturedGraph | None, batch: tuple, local: bool,
+                     defer: bool = False) -> Agreement | None:
         """The batch fits the graph `cap` (batch_spec.py; None: not captured yet) and,
-        unless `local`, every rank passed the same one (runtime/batch_agreement.py)."""
+        unless `local`, every rank passed the same one (runtime/batch_agreement.py).
+        `defer`: the check is issued and settled by the caller (before any collective)."""
         problem = None
         if cap is not None:
             spec = self._batch_specs.get(id(cap))
@@ -562,8 +569,26 @@ class CompiledModel:
         if local:
             if problem:
                 raise InputError(problem)
-            return
-        agree_on_batch(batch, problem, self.step, self.device)
+            return None
+        return start_agreement(batch, problem, self.step, self.device, defer=defer)
+
+    def _deferrable(self) -> bool:
+        """Whether this step's batch check may run during its first forward: the training
+        program is rewritten and tuned (no capture or tuning collective comes first), the
+        plan is dp alone below ZeRO-3 and the graphs call no collective, so the step's
+        first collective is a gradient bucket's, after that forward."""
+        if self._train is None or self._train_stale or "train" not in self._pretuned:
+            return False
+        mesh = self.plan.mesh
+        if mesh.tp > 1 or mesh.pp > 1 or self.plan.zero >= 3 or self._check is not None \
+                and not self._check.done:
+            return False
+        program = self.programs.get("train")
+        if program is None:
+            return False
+        if self._local_program is None or self._local_program[0] is not program:
+            self._local_program = (program, runs_no_collective(program_graphs(program)))
+        return self._local_program[1]
 
     def _step(self, loss: torch.Tensor, max_grad_norm: float | None) -> torch.Tensor:
         if not self.found_inf:

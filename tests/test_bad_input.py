@@ -439,6 +439,20 @@ def _different_batches(rank: int) -> dict[str, str | None]:
     shard = compiled.local_slice((x + rank, y))
     out["local"] = repr(float(compiled.train_step(*shard, local=True)))
     out["same"] = repr(float(compiled.train_step(x, y)))
+    # from here the check runs during the first forward (dp alone: deferred), and still
+    # every rank raises, before any gradient is summed or anything steps
+    out["deferred"] = compiled._deferrable()
+    before = {k: v.clone() for k, v in compiled.full_state_dict().items()}
+    for what, batch in (("different later", (x + rank, y)),
+                        ("refused later", (torch.randn(8, 17) if rank else x, y))):
+        try:
+            compiled.train_step(*batch)
+            out[what] = None
+        except ah.InputError as exc:
+            out[what] = str(exc)
+    out["unchanged"] = all(torch.equal(before[k], v)
+                           for k, v in compiled.full_state_dict().items())
+    out["same later"] = repr(float(compiled.train_step(x, y)))
     return out
 
 
@@ -453,6 +467,14 @@ def test_ranks_passing_different_batches_all_raise() -> None:
     assert "size 17 in dim 1" in results[1]["refused"]
     assert "another rank refused its batch" in results[0]["refused"]
     assert results[0]["same"] == results[1]["same"]
+    for out in results:   # the deferred check: the same errors, nothing stepped
+        assert out["deferred"] is True
+        assert "different batches" in out["different later"]
+        assert "ranks 0; ranks 1" in out["different later"]
+        assert out["unchanged"] is True
+    assert "size 17 in dim 1" in results[1]["refused later"]
+    assert "another rank refused its batch" in results[0]["refused later"]
+    assert results[0]["same later"] == results[1]["same later"]
 
 
 @pytest.mark.procs
@@ -486,3 +508,25 @@ def test_cli_prints_no_traceback_for_bad_input(tmp_path: Path) -> None:
 
 def test_catalogue_size() -> None:
     assert len({c.id for c in API_CASES}) + len({c.id for c in CLI_CASES}) >= 30
+
+
+@pytest.mark.timeout(120)
+def test_the_batch_check_is_deferred_only_where_the_forward_issues_no_collective() -> None:
+    """dp alone: the forward issues no collective, so the check may run during it; tp,
+    ZeRO-3 and SyncBatchNorm graphs communicate in their forward (the check must settle
+    first). Rewritten on fake process groups (rewrite.py), as the planner's trial does."""
+    from autohybrid.rewrite import rewrite
+    from autohybrid.runtime.batch_agreement import runs_no_collective
+
+    model = models.preset("gpt-tiny")
+    inputs, targets = models.example_batch("gpt-tiny", 8)
+    loss = lambda out, t: F.cross_entropy(out.flatten(0, -2), t.flatten())  # noqa: E731
+    train = capture(model, inputs, loss, targets)
+    cases = {"dp2": (ah.Constraints(dp=2, tp=1, pp=1, zero=0), True),
+             "dp2 zero3": (ah.Constraints(dp=2, tp=1, pp=1, zero=3), False),
+             "tp2": (ah.Constraints(dp=1, tp=2, pp=1), False)}
+    for name, (constraints, expected) in cases.items():
+        plan = ah.plan(model, ah.Cluster.local(2), inputs, loss_fn=loss,
+                       example_targets=targets, constraints=constraints)
+        program = rewrite(train, plan, 0, fake_groups=True)
+        assert runs_no_collective([program.runnable.gm]) is expected, name

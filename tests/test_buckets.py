@@ -67,8 +67,10 @@ def test_tiny_model_gets_one_bucket_and_pins_are_kept():
 def test_zero3_gathers_hide_behind_the_layer_before():
     """ZeRO-3 prices each layer's gather prefetched one layer ahead (passes/overlap.py):
     with no compute everything is exposed, as without prefetch; with compute longer
-    than every gather only the first gather of forward and of backward stays; the
-    reduce-scatters stay exposed whatever the compute."""
+    than every gather only the first gather of forward and of backward stays. The
+    reduce-scatters (issued asynchronously outside a pipeline: ops/zero.py) hide in what
+    each layer's backward leaves after its gather, all but the last; in a pipeline they
+    stay exposed whatever the compute."""
     from autohybrid.cost import comm
     from autohybrid.plan import Mesh
     from autohybrid.search.pricing import Layout, _dp_sync, dp_ranks
@@ -88,10 +90,24 @@ def test_zero3_gathers_hide_behind_the_layer_before():
 
     assert exposed(0.0, 0.0) == pytest.approx(total)
     one = (gather + (k - 1) * latency) / k
+    summed = (scatter + (k - 1) * latency) / k   # one layer's reduce-scatter
     ample = exposed(10.0, 20.0)
-    assert ample == pytest.approx(m * (scatter + (k - 1) * latency + 2 * one))
-    # half a gather of compute per layer hides half of each later gather
+    assert ample == pytest.approx(m * (summed + 2 * one))
+    # half a gather of compute per layer hides half of each later gather, and leaves
+    # nothing to hide a reduce-scatter in
     half = exposed(k * one / 2, k * one / 2)
     exposed_gathers = 2 * (one + (k - 1) * one / 2)
     assert half == pytest.approx(m * (scatter + (k - 1) * latency + exposed_gathers))
     assert ample < half < total
+    # a layer's backward one gather and half a reduce-scatter long hides half of each
+    partly = exposed(10.0, k * (one + summed / 2))
+    assert partly == pytest.approx(m * (summed + (k - 1) * summed / 2 + 2 * one))
+
+    piped = Layout(Mesh(dp=8, pp=2), 1, 2, zero=3)   # synchronous in a pipeline
+    ranks = dp_ranks(piped)
+    gather = comm.all_gather(cluster, ranks, nbytes)
+    scatter = comm.reduce_scatter(cluster, ranks, nbytes)
+    latency = comm.ring_latency(cluster, ranks)
+    one = (gather + (k - 1) * latency) / k
+    sync, times, fixed, hidden = _dp_sync(cluster, piped, nbytes, k, 10.0, 20.0)
+    assert fixed - hidden == pytest.approx(m * (scatter + (k - 1) * latency + 2 * one))

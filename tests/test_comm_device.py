@@ -26,11 +26,11 @@ FACTORIES = {"tensor", "zeros", "ones", "empty", "full", "arange"}
 #: collective's device before one: (module, the enclosing function) -> why
 ALLOWED = {
     ("runtime/batch_agreement.py", "fingerprint"): "7 numbers assembled on the host; "
-        "agree_on_batch moves them to the batch's device before its all-reduce",
+        "start_agreement moves them to the batch's device before its all-gather",
     ("runtime/batch_agreement.py", "_one"): "the fingerprint's host part (the sums run on "
                                             "the batch's device)",
-    ("runtime/batch_agreement.py", "agree_on_batch"): "the refusal flag, concatenated to "
-        "the fingerprint, all moved with .to(device) before the all-reduce",
+    ("runtime/batch_agreement.py", "start_agreement"): "the refusal flag, concatenated "
+        "to the fingerprint, all moved with .to(device) before the all-gather",
     ("runtime/stage_exchange.py", "_header"): "a header built on the host; send_value "
                                               "moves it with .to(device) before isend",
     ("baselines.py", "_qkv_rows_by_rank"): "an index permuting a weight's rows, never "

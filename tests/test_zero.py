@@ -327,3 +327,35 @@ def _two_models_rank(rank: int, world: int) -> list[str]:
 def test_two_compiled_models_in_one_process_keep_their_own_groups():
     results = _launch(_two_models_rank, 2)
     assert not any(results), report(results)
+
+
+@pytest.mark.timeout(60)
+def test_the_scatter_layout_and_its_inverse_over_ragged_shapes():
+    """scatter_layout writes each gradient once into its `(dp, c)` columns, zero-padded
+    (as the definition: padded to dp·c, viewed (dp, c), columns side by side); a
+    gathered `(dp, Σc)` buffer is written back whole by copy_gathered, into contiguous
+    and non-contiguous targets alike."""
+    from autohybrid.ops.zero import copy_gathered, scatter_layout
+
+    def definition(grads, dp):
+        columns = []
+        for g in grads:
+            flat = g.reshape(-1)
+            c = chunk(flat.numel(), dp)
+            padded = torch.cat([flat, flat.new_zeros(dp * c - flat.numel())])
+            columns.append(padded.view(dp, c))
+        return torch.cat(columns, dim=1).reshape(-1)
+
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(7,), (3, 5), (2, 2, 2), (0,), (1,), (16,), (6, 4)]
+    for dp in (1, 2, 3, 4, 8):
+        for start in range(len(shapes)):
+            grads = [torch.randn(s, generator=generator) for s in shapes[start:] + shapes[:2]]
+            grads.append(torch.randn(4, 6, generator=generator).t())   # non-contiguous
+            flat = scatter_layout(grads, dp)
+            assert torch.equal(flat, definition(grads, dp)), (dp, start)
+            targets = [torch.full_like(g, float("nan")) for g in grads[:-1]]
+            targets.append(torch.full((4, 6), float("nan")).t())     # non-contiguous
+            copy_gathered(flat, [chunk(g.numel(), dp) for g in grads], targets)
+            for got, want in zip(targets, grads):
+                assert torch.equal(got, want), (dp, start)

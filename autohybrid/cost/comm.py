@@ -35,16 +35,26 @@ def hidden_share(cluster: _Cluster, ranks: Sequence[int], kind: str) -> float:
     return share(ranks, kind) if share is not None else 1.0
 
 
+#: T(n) = a·α + b·n·β of each collective kind on p ranks, as (a, b): rings (an
+#: all-reduce is a reduce-scatter then an all-gather), a send one message. The pricing
+#: below and the calibration's fits of α, β per kind (calibrate.py) both read it.
+COEFFICIENTS = {"all_reduce": lambda p: (2 * (p - 1), 2 * (p - 1) / p),
+                "all_gather": lambda p: (p - 1, (p - 1) / p),
+                "reduce_scatter": lambda p: (p - 1, (p - 1) / p),
+                "all_to_all": lambda p: (p - 1, (p - 1) / p),
+                "send_recv": lambda p: (1, 1)}
+
+
 def all_reduce(cluster: _Cluster, ranks: Sequence[int], nbytes: float,
                algorithm: str = "ring") -> float:
     p = len(ranks)
     if p <= 1 or nbytes <= 0:
         return 0.0
-    alpha, beta = _link(cluster, ranks, "all_reduce")
     if algorithm == "tree":
         import math
+        alpha, beta = _link(cluster, ranks, "all_reduce")
         return 2 * math.log2(p) * alpha + 2 * nbytes * beta
-    return 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes * beta
+    return _ring(cluster, ranks, nbytes, "all_reduce")
 
 
 def _ring(cluster: _Cluster, ranks: Sequence[int], nbytes: float, kind: str) -> float:
@@ -52,7 +62,8 @@ def _ring(cluster: _Cluster, ranks: Sequence[int], nbytes: float, kind: str) -> 
     if p <= 1 or nbytes <= 0:
         return 0.0
     alpha, beta = _link(cluster, ranks, kind)
-    return (p - 1) * alpha + (p - 1) / p * nbytes * beta
+    a, b = COEFFICIENTS[kind](p)
+    return a * alpha + b * nbytes * beta
 
 
 def all_gather(cluster: _Cluster, ranks: Sequence[int], nbytes: float) -> float:
@@ -129,7 +140,8 @@ def halo_exchange(cluster: _Cluster, ranks: Sequence[int], nbytes: float) -> flo
 
 def send_recv(cluster: _Cluster, ranks: Sequence[int], nbytes: float) -> float:
     alpha, beta = _link(cluster, ranks, "send_recv")
-    return alpha + nbytes * beta
+    a, b = COEFFICIENTS["send_recv"](len(ranks))
+    return a * alpha + b * nbytes * beta
 
 
 #: Segments of the "segmented" (pipelined) hierarchical all-reduce: the runtime cuts each

@@ -18,11 +18,52 @@ def all_gather_single(output, input, group=None, async_op=False):  # noqa: A002
     return fn(output, input, group=group, async_op=async_op)
 
 
-def reduce_scatter_single(output, input, group=None, async_op=False):  # noqa: A002
+def reduce_scatter_single(output, input, group=None, async_op=False,  # noqa: A002
+                          input_scratch=False):
     """`dist.reduce_scatter_single` (torch 2.13; before: reduce_scatter_tensor), a sum,
-    looked up at each call."""
+    looked up at each call.
+
+    `input_scratch=True`: the caller reads `input` no more. On gloo the sum then runs as
+    an all-reduce of `input` in place and this rank's slice is copied to `output` (at
+    the wait when `async_op`): gloo's reduce-scatter takes about twice its all-reduce of
+    the same input (2 CPU ranks, 1 / 4 / 16 MB: 2.7 / 4.8 / 17 ms against 0.7 / 2.5 /
+    8.5), so the all-reduce is the faster way to the same sums there. Elsewhere (NCCL)
+    the reduce-scatter, which moves half the bytes, runs as it is."""
+    if input_scratch and group_backend(group) == "gloo":
+        n = output.numel()
+        rank = dist.get_rank(group)
+        work = dist.all_reduce(input, group=group, async_op=async_op)
+        mine = input.reshape(-1)[rank * n:(rank + 1) * n]
+        if not async_op:
+            output.reshape(-1).copy_(mine)
+            return None
+        return _ThenCopy(work, output, mine)
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(output, input, group=group, async_op=async_op)
+
+
+class _ThenCopy:
+    """An issued all-reduce whose wait also copies this rank's slice of the sums out (a
+    reduce-scatter's work, as `reduce_scatter_single` runs it on gloo)."""
+
+    def __init__(self, work, output, mine):
+        self.work, self.output, self.mine = work, output, mine
+        self.copied = False
+
+    def wait(self, *args) -> bool:
+        self.work.wait(*args)
+        if not self.copied:
+            self.output.reshape(-1).copy_(self.mine)
+            self.copied = True
+        return True
+
+    def is_completed(self) -> bool:
+        return self.copied
+
+
+def group_backend(group=None) -> str:
+    """The backend of `group` (the default group for None), lower case."""
+    return str(dist.get_backend(group)).lower()
 
 
 _GROUPS: dict[str, dist.ProcessGroup | None] = {}

@@ -72,8 +72,14 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup, axis: s
     src = x.movedim(dim, 0).contiguous()
     n = dist.get_world_size(group)
     out = src.new_empty(_shard_shape(src, 0, n, "sp_reduce_scatter", axis))
-    groups.reduce_scatter_single(out, src, group=group)
+    groups.reduce_scatter_single(out, src, group=group, input_scratch=_fresh(src, x))
     return out.movedim(0, dim).contiguous()
+
+
+def _fresh(copy: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether `copy` (made from `x` by `_front`) holds its own memory: a collective may
+    then use it as scratch (never an input of an op, which must stay as it came)."""
+    return copy.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
 
 
 def _slice(x: torch.Tensor, dim: int, group: dist.ProcessGroup, axis: str) -> torch.Tensor:
@@ -344,7 +350,8 @@ def sp_reduce_scatter_start(x: torch.Tensor, dim: int, axis: str) -> torch.Tenso
     src = _front(x, dim)
     n = dist.get_world_size(group)
     out = src.new_empty(_shard_shape(src, 0, n, "sp_reduce_scatter", axis))
-    work = groups.reduce_scatter_single(out, src, group=group, async_op=True)
+    work = groups.reduce_scatter_single(out, src, group=group, async_op=True,
+                                        input_scratch=_fresh(src, x))
     return _issued(out, work, src)
 
 

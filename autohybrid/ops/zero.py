@@ -14,7 +14,10 @@ gives the whole parameters of `shapes`. Between the two, other work runs
 (passes/overlap.py moves starts up within a budget of bytes in flight). Backward (of the
 wait) reduce-scatters (sums) the parameters' gradients back to the shards, so each
 rank's shard gradient is the dp sum, as a bucketed all-reduce would give; in
-`reduce_dtype` when given (`Plan.grad_reduce_dtype`), in the gradients' own otherwise. The pending
+`reduce_dtype` when given (`Plan.grad_reduce_dtype`), in the gradients' own otherwise.
+Inside `deferred_reductions()` (the executor's backward outside a pipeline) the
+reduce-scatter is issued asynchronously and its sums added to the shards' `.grad` when
+done, while the backward goes on (below). The pending
 work of a start is found by the identity of its buffer. `zero_gather(shards, shapes,
 axis)` is the two back to back.
 
@@ -86,14 +89,32 @@ def gather_finish(flat: torch.Tensor, work: object | None, sizes: Sequence[int],
     have `sizes` elements each): new contiguous tensors, not views."""
     if work is not None:
         work.wait()
-    rows = flat.view(-1, sum(sizes))
-    outs, offset = [], 0
-    for size, shape in zip(sizes, shapes):
-        out = flat.new_empty(tuple(shape))
-        out.view(-1).copy_(rows[:, offset: offset + size].reshape(-1)[: out.numel()])
-        outs.append(out)
-        offset += size
+    outs = [flat.new_empty(tuple(shape)) for shape in shapes]
+    copy_gathered(flat, sizes, outs)
     return outs
+
+
+def copy_gathered(flat: torch.Tensor, sizes: Sequence[int],
+                  targets: Sequence[torch.Tensor]) -> None:
+    """Write each whole tensor out of a gathered `flat` (`(dp, Σ sizes)`, the shards of
+    `sizes` elements) into `targets` (contiguous, or copied through a temporary): one
+    copy per rank's piece, no intermediate."""
+    rows = flat.view(-1, sum(sizes))
+    offset = 0
+    for size, target in zip(sizes, targets):
+        whole = target.view(-1) if target.is_contiguous() else None
+        if whole is None:
+            target.copy_(rows[:, offset: offset + size].reshape(-1)[: target.numel()]
+                         .view_as(target))
+        else:
+            n = whole.numel()
+            for r in range(rows.shape[0]):
+                lo = r * size
+                if lo >= n:
+                    break
+                hi = min(n, lo + size)
+                whole[lo:hi].copy_(rows[r, offset: offset + hi - lo])
+        offset += size
 
 
 def gather(shards: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]],
@@ -105,15 +126,25 @@ def gather(shards: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]],
 
 
 def scatter_layout(grads: Sequence[torch.Tensor], dp: int) -> torch.Tensor:
-    """Gradients of whole parameters as the flat `(dp, Σc)` input of a reduce-scatter."""
-    columns = []
-    for g in grads:
+    """Gradients of whole parameters as the flat `(dp, Σc)` input of a reduce-scatter
+    (each gradient copied once into its columns, the padding zeroed)."""
+    sizes = [chunk(g.numel(), dp) for g in grads]
+    out = grads[0].new_empty(dp, sum(sizes))
+    offset = 0
+    for g, c in zip(grads, sizes):
         flat = g.reshape(-1)
-        c = chunk(flat.numel(), dp)
-        padded = flat.new_zeros(dp * c)
-        padded[: flat.numel()] = flat
-        columns.append(padded.view(dp, c))
-    return torch.cat(columns, dim=1).reshape(-1)
+        n = flat.numel()
+        full = n // c                      # rows the gradient fills
+        columns = out[:, offset: offset + c]
+        if full:
+            columns[:full].copy_(flat[: full * c].view(full, c))
+        if full < dp:
+            rest = n - full * c
+            columns[full, :rest].copy_(flat[full * c:])
+            columns[full, rest:].zero_()
+            columns[full + 1:].zero_()
+        offset += c
+    return out.reshape(-1)
 
 
 def reduce_scatter_flat(grads: Sequence[torch.Tensor],
@@ -124,7 +155,7 @@ def reduce_scatter_flat(grads: Sequence[torch.Tensor],
     dp = dist.get_world_size(group)
     flat = scatter_layout(grads, dp)
     out = flat.new_empty(flat.numel() // dp)
-    groups.reduce_scatter_single(out, flat, group=group)
+    groups.reduce_scatter_single(out, flat, group=group, input_scratch=True)
     sizes = [chunk(g.numel(), dp) for g in grads]
     return list(out.split(sizes))
 
@@ -185,6 +216,7 @@ def _(flat, shards, shapes, ndims, axis, reduce_dtype=None):
 
 def _setup(ctx, inputs, output) -> None:
     ctx.axis = inputs[4]
+    ctx.shards = list(inputs[1])   # the shard parameters (deferred reductions add to them)
     ctx.reduce_dtype = inputs[5] if len(inputs) > 5 else None
     entry = _GATHERED.get(id(output[0])) if _TRACKING and output else None
     ctx.layer = entry.layer if entry is not None and entry.ref() is output[0] else None
@@ -198,16 +230,93 @@ def _backward(ctx, grads):
     present = [i for i, g in enumerate(grads) if g is not None]
     cast = getattr(torch, ctx.reduce_dtype) if ctx.reduce_dtype else None
     sent = [grads[i] if cast is None else grads[i].to(cast) for i in present]
-    parts = reduce_scatter_flat(sent, _group(ctx.axis))
+    group = _group(ctx.axis)
     out: list[torch.Tensor | None] = [None] * len(grads)
+    rest = (None,) * (len(ctx.needs_input_grad) - 2)
+    if _DEFERRING and group is not None and sent and all(
+            ctx.shards[i].is_leaf and ctx.shards[i].requires_grad for i in present):
+        # issued now, accumulated into the shards' .grad when done (deferred_reductions)
+        _defer(sent, [ctx.shards[i] for i in present],
+               [grads[i].dtype for i in present], group)
+        return (None, out) + rest
+    parts = reduce_scatter_flat(sent, group)
     for i, part in zip(present, parts):
         out[i] = part.to(grads[i].dtype) if cast is not None else part.clone()
     # one entry per input as autograd counts them (an optional argument not passed is
     # not one; ctx.needs_input_grad has that structure)
-    return (None, out) + (None,) * (len(ctx.needs_input_grad) - 2)
+    return (None, out) + rest
 
 
 _zero_gather_wait.register_autograd(_backward, setup_context=_setup)
+
+
+# ------------------------------------------------------------------ deferred reductions
+
+#: reduce-scatters a deferring backward keeps in flight (each holds its layer's whole
+#: gradients until done): issuing one more first completes the oldest (FSDP2 keeps one)
+REDUCTIONS_IN_FLIGHT = 2
+
+_DEFERRING = False
+
+
+@dataclass
+class _Reduction:
+    work: object
+    sent: torch.Tensor                # the (dp, Σc) input, alive until the work is done
+    out: torch.Tensor                 # this rank's Σc
+    shards: list[torch.Tensor]
+    dtypes: list[torch.dtype]
+
+    def finish(self) -> None:
+        self.work.wait()
+        sizes = [s.numel() for s in self.shards]
+        for shard, part, dtype in zip(self.shards, self.out.split(sizes), self.dtypes):
+            part = part.to(dtype) if part.dtype != dtype else part.clone()
+            if shard.grad is None:
+                shard.grad = part
+            else:
+                shard.grad += part
+
+
+_REDUCTIONS: list[_Reduction] = []
+
+
+def _defer(sent: list[torch.Tensor], shards: list[torch.Tensor], dtypes: list[torch.dtype],
+           group: dist.ProcessGroup) -> None:
+    dp = dist.get_world_size(group)
+    flat = scatter_layout(sent, dp)
+    out = flat.new_empty(flat.numel() // dp)
+    work = groups.reduce_scatter_single(out, flat, group=group, async_op=True,
+                                        input_scratch=True)
+    _REDUCTIONS.append(_Reduction(work, flat, out, shards, dtypes))
+    while len(_REDUCTIONS) > REDUCTIONS_IN_FLIGHT:
+        _REDUCTIONS.pop(0).finish()
+
+
+@contextmanager
+def deferred_reductions(enabled: bool = True) -> Iterator[None]:
+    """Run a backward whose ZeRO-3 reduce-scatters are issued asynchronously: each
+    layer's gradients are summed over dp while the backward of the layers before it
+    computes (as FSDP2 overlaps them), at most `REDUCTIONS_IN_FLIGHT` at once, and added
+    to the shard parameters' `.grad` when done; all are done when the context exits.
+    Only around a plain `.backward()`: a step that asks autograd for the shards'
+    gradients (torch.autograd.grad, a zero-bubble pipeline's weight step) needs them
+    returned, which the synchronous reduction does. On an error the pending ones are
+    dropped (their collectives still complete; their sums are not used)."""
+    global _DEFERRING
+    if not enabled or _DEFERRING:
+        yield
+        return
+    _DEFERRING = True
+    try:
+        yield
+    except BaseException:
+        _REDUCTIONS.clear()
+        raise
+    finally:
+        _DEFERRING = False
+    while _REDUCTIONS:
+        _REDUCTIONS.pop(0).finish()
 
 
 def zero_gather(shards: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]],

@@ -16,7 +16,8 @@ With ZeRO (runtime/zero.py) the optimizer steps this rank's flat shards: ZeRO-1
 reduce-scatters the buckets into them during the last backward (whole gradients
 accumulate until then), ZeRO-2 during every microbatch's backward, ZeRO-3 graphs
 reduce-scatter in backward and run forward with gathered parameters released for
-backward (ops/zero.py).
+backward (ops/zero.py); outside a pipeline those reduce-scatters are issued
+asynchronously and overlap the rest of the backward (`deferred_reductions`).
 
 Mixed precision (runtime/precision.py): the programs run under autocast themselves
 (capture.py); with fp16 loss scaling the numerator is multiplied by the scale before
@@ -28,7 +29,7 @@ from __future__ import annotations
 from .comm_device import comm_device
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,7 @@ import torch.distributed as dist
 from ..capture import CapturedGraph
 from ..errors import AutohybridError
 from ..ops.groups import all_gather_single
-from ..ops.zero import release_gathered
+from ..ops.zero import deferred_reductions, release_gathered
 from ..passes.manager import disabled_passes
 from ..plan import Plan
 from .collectives import gradient_all_reduce
@@ -112,8 +113,15 @@ class Executor:
     # ------------------------------------------------------------------ training
     def forward_backward(self, program: CapturedGraph, loss_kind: str,
                          inputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor],
-                         local: bool, pipeline: PipelineRunner | None = None) -> StepResult:
-        """Gradients of eager's loss on the global batch (summed over dp, scaled)."""
+                         local: bool, pipeline: PipelineRunner | None = None,
+                         before_backward: Callable[[], None] | None = None) -> StepResult:
+        """Gradients of eager's loss on the global batch (summed over dp, scaled).
+        `before_backward()` runs after the first microbatch's forward, before its
+        backward (the deferred batch check: runtime/batch_agreement.py); not with a
+        pipeline."""
+        if before_backward is not None and pipeline is not None:
+            raise AutohybridError("a deferred batch check needs the step's forward to issue "
+                                  "no collective; a pipeline's does")
         loss_scale = None
         if self.scaler is not None:  # eager back-propagates scale × (numerator / count)
             loss_scale = self.scaler.scale / self._global_count(targets or inputs, local,
@@ -138,7 +146,7 @@ class Executor:
             self.reducer.schedule_done()
         else:
             numerator, denominator, stats = self._microbatch_loop(program, inputs, targets,
-                                                                  loss_scale)
+                                                                  loss_scale, before_backward)
         self.last_backward_end = time.perf_counter()
         if stats is not None:
             stats = self._gather_stats(stats)
@@ -193,12 +201,14 @@ class Executor:
         return max(float(count), 1.0)
 
     def _microbatch_loop(self, program: CapturedGraph, inputs: Sequence[torch.Tensor],
-                         targets: Sequence[torch.Tensor], loss_scale: float | None = None
+                         targets: Sequence[torch.Tensor], loss_scale: float | None = None,
+                         before_backward: Callable[[], None] | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Forward and backward of each microbatch in turn; the dp reducer is armed for
         the last backward, so gradient buckets are summed while it runs. Returns the
         summed numerators and denominators, and the microbatches' per-sample statistics
-        joined (None when the program has none)."""
+        joined (None when the program has none). `before_backward()`: after the first
+        forward."""
         micro_in = self.microbatches(inputs, "inputs")
         micro_tg = self.microbatches(targets, "targets")
         numerator = denominator = None
@@ -210,10 +220,13 @@ class Executor:
                 self.reducer.prepare()
             with release_gathered(stage == 3):
                 outs = program.run(self.state, mb_in, mb_tg)
+            if m == 0 and before_backward is not None:
+                before_backward()
             num, den = outs[0], outs[-1]
             if len(outs) == 3:   # (numerator, per-sample statistics, denominator)
                 stats.append(outs[1].detach())
-            (num if loss_scale is None else num * loss_scale).backward()
+            with deferred_reductions(stage == 3):   # ZeRO-3: sums overlap the backward
+                (num if loss_scale is None else num * loss_scale).backward()
             if stage == 2 and m < count - 1:
                 self.reducer.collect()
             for hook in self.microbatch_hooks:

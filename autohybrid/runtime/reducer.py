@@ -260,7 +260,7 @@ class GradReducer:
             bucket.flat = flat if self.world == 1 else flat.new_empty(flat.numel() // self.world)
             if self.world > 1:
                 bucket.work = reduce_scatter_single(bucket.flat, flat, group=self.group,
-                                                    async_op=True)
+                                                    async_op=True, input_scratch=True)
             for p in bucket.params:  # the bucket holds them now
                 p.grad = None
         done = self._progress() if self._mode != "last" and self._progress else None

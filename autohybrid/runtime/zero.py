@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..ops.zero import chunk, gather, shard_of
+from ..ops.zero import chunk, copy_gathered, gather, gather_start, shard_of
 
 
 class ZeroShards:
@@ -70,13 +70,23 @@ class ZeroShards:
 
     # ------------------------------------------------------------------ parameters
     def gather_params(self) -> None:
-        """ZeRO-1/2 after the optimizer step: every whole parameter from the shards."""
+        """ZeRO-1/2 after the optimizer step: every whole parameter from the shards, one
+        all-gather per bucket; the next bucket's is in flight while one is copied into
+        its parameters (two buckets of whole parameters at most besides them)."""
+        buckets = self._buckets()
         with torch.no_grad():
-            for names in self._buckets():
-                wholes = gather([self.shards[n].detach() for n in names],
-                                [self.shape[n] for n in names], self._comm_group)
-                for name, whole in zip(names, wholes):
-                    self.params[name].copy_(whole)
+            issued = self._gather_start(buckets[0]) if buckets else None
+            for i, names in enumerate(buckets):
+                flat, work = issued
+                issued = self._gather_start(buckets[i + 1]) if i + 1 < len(buckets) else None
+                if work is not None:
+                    work.wait()
+                copy_gathered(flat, [self.shards[n].numel() for n in names],
+                              [self.params[n] for n in names])
+
+    def _gather_start(self, names: list[str]) -> tuple[torch.Tensor, object | None]:
+        return gather_start([self.shards[n].detach() for n in names], self._comm_group,
+                            async_op=True)
 
     def full_value(self, name: str) -> torch.Tensor:
         """The whole (tp-local) parameter `name`, gathered from the shards under ZeRO-3."""

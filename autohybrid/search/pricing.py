@@ -732,10 +732,13 @@ def _dp_sync(cluster, layout: Layout, nbytes: float, gathers: int = 1, forward: 
     microbatch gathers the parameters before each layer's forward and again in backward
     and reduce-scatters their gradients (runtime/zero.py: 3Ψ per microbatch), in three
     collectives for each of the rank's `gathers`: each collective's latency counts. The
-    reduce-scatters are synchronous: exposed. The gathers are prefetched one layer ahead
-    (passes/overlap.py in forward, passes/zero.py's backward gathers): each but the first
-    hides behind the layer before it, `forward` / `backward` (a microbatch's compute on
-    the rank, recomputation included) shared evenly by the gathers (`_prefetched`)."""
+    gathers are prefetched one layer ahead (passes/overlap.py in forward, passes/zero.py's
+    backward gathers): each but the first hides behind the layer before it, `forward` /
+    `backward` (a microbatch's compute on the rank, recomputation included) shared evenly
+    by the gathers (`_prefetched`). Without a pipeline the reduce-scatters are issued
+    asynchronously (ops/zero.py `deferred_reductions`): each but the last hides behind
+    the next layer's backward, which it shares with that layer's gather; in a pipeline
+    they are synchronous: exposed."""
     mesh = layout.mesh
     if mesh.dp == 1:
         return 0.0, 1, 0.0, 0.0
@@ -755,6 +758,12 @@ def _dp_sync(cluster, layout: Layout, nbytes: float, gathers: int = 1, forward: 
     one = (gather + (k - 1) * latency) / k   # one layer's gather
     hidden = 2 * k * one - _prefetched(one, k, forward) - _prefetched(one, k, backward)
     hidden *= comm.hidden_share(cluster, ranks, "all_gather")
+    if mesh.pp == 1:
+        summed = (scatter + (k - 1) * latency) / k   # one layer's reduce-scatter
+        # of the backward's window per layer, what the prefetched gather leaves
+        window = max(0.0, backward / k - one)
+        hidden += (k - 1) * min(summed, window) \
+            * comm.hidden_share(cluster, ranks, "reduce_scatter")
     return 0.0, 1, m * (scatter + 2 * gather + 3 * (k - 1) * latency), m * hidden
 
 
