@@ -62,6 +62,10 @@ from ..ops.zero import chunk, scatter_layout
 log = logging.getLogger(__name__)
 
 
+#: `Bucket.flat` of a launched bucket on one rank: its gradients are not packed
+_IN_PLACE = torch.empty(0)
+
+
 @dataclass
 class Bucket:
     params: list[torch.nn.Parameter]
@@ -243,7 +247,9 @@ class GradReducer:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
         if self.reduce_dtype is not None:
             grads = [g.to(self.reduce_dtype) for g in grads]
-        if self.shards is None:
+        if self.shards is None and self.world == 1 and self.reduce_dtype is None:
+            bucket.flat = _IN_PLACE   # nothing to sum: `finish` scales the grads in place
+        elif self.shards is None:
             flat = [g.reshape(-1) for g in grads]
             numel = sum(g.numel() for g in flat)
             store = bucket.store
@@ -317,6 +323,12 @@ class GradReducer:
             self.active = False
             return
         for bucket in self.buckets:
+            if bucket.flat is _IN_PLACE:  # one rank: the gradients are the sums
+                for p in bucket.params:
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+                bucket.flat = None
+                continue
             if bucket.work is not None:
                 bucket.work.wait()
             offset = 0
