@@ -5,7 +5,8 @@ graph (the order backward makes their gradients ready). A post-accumulate-grad h
 counts ready gradients; when a bucket is complete its flattened gradients are all-reduced
 asynchronously while backward continues (flat over `group`, or with `all_reduce` given,
 by the Plan's hierarchical or segmented algorithm: runtime/collectives.py). `finish`
-waits, writes the sums back scaled by `1 / Σ denominators` (see passes/global_loss.py)
+waits, writes the sums back scaled by `1 / Σ denominators` (see passes/global_loss.py;
+on one rank nothing is packed or summed: the gradients are scaled in place)
 and records, per bucket, when it was launched and how many gradients were still
 pending — the structural proof of overlap. A parameter without a gradient (frozen, or
 not used by the loss) has none on every rank, since every rank runs the same graph, and
