@@ -262,7 +262,7 @@ class GradReducer:
                 bucket.work = (self.all_reduce.start(bucket.flat) if self.all_reduce is not None
                                else dist.all_reduce(bucket.flat, group=self.group,
                                                     async_op=True))
-        else:
+        else:   # a fresh buffer: ZeRO-1/2 keep no whole-gradient bytes between steps
             flat = scatter_layout(grads, self.world)
             bucket.flat = flat if self.world == 1 else flat.new_empty(flat.numel() // self.world)
             if self.world > 1:
