@@ -51,7 +51,7 @@ import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterable, Iterator
+from typing import Any, Callable, Hashable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -63,8 +63,9 @@ from ..ops.zero import chunk, scatter_layout
 log = logging.getLogger(__name__)
 
 
-#: `Bucket.flat` of a launched bucket on one rank: its gradients are not packed
-_IN_PLACE = torch.empty(0)
+#: `Bucket.flat` of a launched bucket on one rank: its gradients are not packed (a
+#: sentinel compared by identity, never a tensor)
+_IN_PLACE: Any = object()
 
 
 @dataclass
