@@ -421,20 +421,25 @@ def test_cli_bad_input(case: CliCase, tmp_path: Path, capsys) -> None:
 
 
 # --------------------------------------------------------------------------- with ranks
-def _different_batches(rank: int) -> dict[str, str | None]:
+def _different_batches(rank: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = models.preset("mlp-tiny")
     x, y = torch.randn(8, 16), torch.randint(0, 8, (8,))
     compiled = ah.compile(model, ah.Cluster.local(2), (x,), loss_fn=F.cross_entropy,
                           example_targets=y, optimizer=_sgd, constraints=ah.Constraints(dp=2))
-    out: dict[str, str | None] = {}
-    for what, batch in (("different", (x + rank, y)),
-                        ("refused", (torch.randn(8, 17) if rank else x, y))):
-        try:
-            compiled.train_step(*batch)
-            out[what] = None
-        except ah.InputError as exc:
-            out[what] = str(exc)
+    out: dict[str, Any] = {}
+
+    def bad_batches(suffix: str) -> None:
+        """A step with another batch on each rank, then one rank 1 refuses: the error."""
+        for what, batch in (("different", (x + rank, y)),
+                            ("refused", (torch.randn(8, 17) if rank else x, y))):
+            try:
+                compiled.train_step(*batch)
+                out[what + suffix] = None
+            except ah.InputError as exc:
+                out[what + suffix] = str(exc)
+
+    bad_batches("")
     # each rank's own shard by design: local=True skips the agreement
     shard = compiled.local_slice((x + rank, y))
     out["local"] = repr(float(compiled.train_step(*shard, local=True)))
@@ -443,13 +448,7 @@ def _different_batches(rank: int) -> dict[str, str | None]:
     # every rank raises, before any gradient is summed or anything steps
     out["deferred"] = compiled._deferrable()
     before = {k: v.clone() for k, v in compiled.full_state_dict().items()}
-    for what, batch in (("different later", (x + rank, y)),
-                        ("refused later", (torch.randn(8, 17) if rank else x, y))):
-        try:
-            compiled.train_step(*batch)
-            out[what] = None
-        except ah.InputError as exc:
-            out[what] = str(exc)
+    bad_batches(" later")
     out["unchanged"] = all(torch.equal(before[k], v)
                            for k, v in compiled.full_state_dict().items())
     out["same later"] = repr(float(compiled.train_step(x, y)))
