@@ -2,7 +2,7 @@
 
 `train_step(x, y)` expects the same global batch on every rank (each takes its own
 slice): ranks that pass different ones would train on a mix whose loss matches neither.
-`agree_on_batch(tensors, problem)` fingerprints the batch — per tensor its shape and
+`start_agreement(tensors, problem, ...)` fingerprints the batch — per tensor its shape and
 three integer sums of its bits (plain, weighted by sample and by position in a sample;
 integer arithmetic, so the same bytes give the same fingerprint whatever the threads or
 reduction order) folded into 7 int64 — and all-gathers every rank's fingerprint with a
@@ -126,13 +126,6 @@ def start_agreement(tensors: Sequence[torch.Tensor], problem: str | None, step: 
     if not asynchronous:
         agreement.settle()
     return agreement
-
-
-def agree_on_batch(tensors: Sequence[torch.Tensor], problem: str | None, step: int,
-                   device: torch.device | str = "cpu") -> None:
-    """Raise InputError on every rank unless every rank passed the same batch and none
-    refused it (`problem`: this rank's reason); alone, raise `problem` if any."""
-    start_agreement(tensors, problem, step, device)
 
 
 #: autohybrid ops that issue no collective: a graph holding only these (and ATen ops)
