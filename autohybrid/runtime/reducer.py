@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RuntimeFailure
-from ..ops.groups import reduce_scatter_single
+from ..ops.groups import reduce_scatter_single, sums_by_all_reduce
 from ..ops.zero import chunk, scatter_layout
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,9 @@ class Bucket:
     #: ZeRO 0: the flat buffer kept across steps (`flat` while launched): packing into it
     #: allocates nothing (a fresh buffer per step costs its allocation and page faults)
     store: torch.Tensor | None = None
+    #: ZeRO-1/2: `flat` holds the whole sums, the gradients concatenated (the group sums
+    #: by all-reduce: gloo), not this rank's part of the `(dp, Σc)` layout
+    whole: bool = False
 
 
 @dataclass
@@ -263,12 +266,21 @@ class GradReducer:
                 bucket.work = (self.all_reduce.start(bucket.flat) if self.all_reduce is not None
                                else dist.all_reduce(bucket.flat, group=self.group,
                                                     async_op=True))
-        else:   # a fresh buffer: ZeRO-1/2 keep no whole-gradient bytes between steps
+        # ZeRO-1/2 (below): a fresh buffer, no whole-gradient bytes kept between steps
+        elif self.world > 1 and sums_by_all_reduce(self.group):
+            # every rank receives every sum: the gradients as they are, and `collect`
+            # reads this rank's columns out of them (no scatter layout, no slice copy)
+            bucket.flat = torch.cat([g.reshape(-1) for g in grads])
+            bucket.whole = True
+            bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+        else:
             flat = scatter_layout(grads, self.world)
             bucket.flat = flat if self.world == 1 else flat.new_empty(flat.numel() // self.world)
+            bucket.whole = False
             if self.world > 1:
                 bucket.work = reduce_scatter_single(bucket.flat, flat, group=self.group,
                                                     async_op=True, input_scratch=True)
+        if self.shards is not None:
             for p in bucket.params:  # the bucket holds them now
                 p.grad = None
         done = self._progress() if self._mode != "last" and self._progress else None
@@ -317,11 +329,7 @@ class GradReducer:
         """Launch buckets whose gradients never arrived, wait for all, write back × scale."""
         self.launch_pending()
         if self.shards is not None:
-            self.collect()
-            for p in self.params:
-                shard = self.shards[id(p)]
-                if shard.grad is not None:
-                    shard.grad.mul_(scale)
+            self.collect(scale)
             self.active = False
             return
         for bucket in self.buckets:
@@ -346,23 +354,49 @@ class GradReducer:
             bucket.flat, bucket.work = None, None  # the next step starts from its own grads
         self.active = False
 
-    def collect(self) -> None:
-        """ZeRO-1/2: add the launched buckets' reduced parts to the shard gradients."""
+    def collect(self, scale: float | torch.Tensor | None = None) -> None:
+        """ZeRO-1/2: add the launched buckets' reduced parts to the shard gradients, then
+        (`scale` given: the step's last collect) multiply every shard gradient by it."""
+        rank = dist.get_rank(self.group) if self.world > 1 else 0
         for bucket in self.buckets:
             if bucket.flat is None:
                 continue
             if bucket.work is not None:
                 bucket.work.wait()
-            sizes = [chunk(p.numel(), self.world) for p in bucket.params]
-            for p, has, part in zip(bucket.params, bucket.has_grad, bucket.flat.split(sizes)):
+            offset = 0
+            for p, has in zip(bucket.params, bucket.has_grad):
                 shard = self.shards[id(p)]
+                n, c = p.numel(), chunk(p.numel(), self.world)
+                if bucket.whole:    # this rank's columns of the whole sums (maybe short)
+                    lo, hi = min(n, rank * c), min(n, (rank + 1) * c)
+                    part, offset = bucket.flat[offset + lo: offset + hi], offset + n
+                else:
+                    part, offset = bucket.flat[offset: offset + c], offset + c
                 if not has:  # frozen or unused: no gradient, as in eager
                     continue
-                if shard.grad is None:
-                    shard.grad = part.to(shard.dtype, copy=True)
-                else:
-                    shard.grad.add_(part)
+                if shard.grad is None:   # one pass: the part, scaled; zero padding
+                    grad = shard.new_empty(c)
+                    k = part.numel()
+                    if scale is not None and grad.dtype == part.dtype:
+                        torch.mul(part, scale, out=grad[:k])
+                    else:   # cast first: the scale multiplies in the shard's dtype
+                        grad[:k].copy_(part)
+                        if scale is not None:
+                            grad[:k].mul_(scale)
+                    grad[k:].zero_()
+                    shard.grad = grad
+                    continue
+                shard.grad[:part.numel()].add_(part)
+                if scale is not None:
+                    shard.grad.mul_(scale)
             bucket.flat, bucket.work = None, None
+        if scale is None:
+            return
+        for bucket in self.buckets:   # a gradient of earlier microbatches only (ZeRO-2)
+            for p, has in zip(bucket.params, bucket.has_grad):
+                shard = self.shards[id(p)]
+                if not has and shard.grad is not None:
+                    shard.grad.mul_(scale)
 
     def remove(self) -> None:
         for handle in self._handles:
