@@ -199,10 +199,15 @@ def _options_rank(rank: int, world: int) -> list[str]:
 
     # Frozen and unused parameters get no gradient, as in eager; AdamW's weight decay
     # must then leave them alone.
-    torch.manual_seed(0)
-    train_and_compare(fails, "frozen + unused params/adamw", _PartlyFrozen().double(),
-                      zoo_batches("mlp-tiny", 8), world, loss_fn=F.cross_entropy,
-                      optimizer=OPTIMIZERS["adamw"])
+    # Under ZeRO-1/2 too (the reducer's buckets carry zeros for them, their shards get
+    # no gradient), with two microbatches (ZeRO-2 collects after each).
+    for zero in (0, 1, 2):
+        torch.manual_seed(0)
+        train_and_compare(fails, f"frozen + unused params/adamw/zero{zero}",
+                          _PartlyFrozen().double(), zoo_batches("mlp-tiny", 8), world,
+                          loss_fn=F.cross_entropy, optimizer=OPTIMIZERS["adamw"],
+                          constraints=ah.Constraints(zero=zero, tp=1, pp=1,
+                                                     num_microbatches=2 if zero else None))
 
     # Parameter groups from the factory, and an LR scheduler on compiled.optimizer.
     sched = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
