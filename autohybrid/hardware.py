@@ -365,12 +365,19 @@ LINKS: Mapping[str, LinkSpec] = {l.name: l for l in (
     LinkSpec("ib-ndr", 50e9, INTER_NODE_LATENCY_S,
              "InfiniBand NDR 400 Gb/s = 50 GB/s per NIC, REF; latency: REF mid value"),
     # Local CPU processes (gloo) and plain Ethernet: placeholders.
+    # Both run gloo, where autohybrid sums a reduce-scatter's scratch input by an
+    # all-reduce (ops/groups.py `reduce_scatter_single`; gloo's own reduce-scatter takes
+    # twice as long): its ring formula (p−1)α + (p−1)/p·n·β is priced with α and β
+    # doubled, which is the all-reduce's 2(p−1)α + 2(p−1)/p·n·β. Calibration measures
+    # the reduce-scatter as it runs and replaces these.
     LinkSpec("gloo-local", 1e9, 50e-6,
              "PLACEHOLDER, not a measurement: gloo between processes on one host "
-             "(loopback TCP / shared memory), ~1 GB/s and 50 µs; replace with ah.calibrate"),
+             "(loopback TCP / shared memory), ~1 GB/s and 50 µs; replace with ah.calibrate",
+             collectives=(("reduce_scatter", 0.5e9, 100e-6),)),
     LinkSpec("ethernet-10g", 1.25e9, 100e-6,
              "PLACEHOLDER: 10 GbE line rate (1.25 GB/s) with a guessed 100 µs gloo/TCP "
-             "per-call latency; replace with ah.calibrate"),
+             "per-call latency; replace with ah.calibrate",
+             collectives=(("reduce_scatter", 0.625e9, 200e-6),)),
 )}
 
 

@@ -332,18 +332,24 @@ def test_zero_gradient_sync_moves_the_bytes_of_the_zero_paper() -> None:
     latency of 3 collectives for each further gather: gpt-tiny's fp32 layers make 2
     (embedding, position table and first block, 64 KiB, then the rest: the local link
     moves 50 KB in its latency, so smaller ones merge; tests/test_zero.py sees the same
-    2 in the graph)."""
+    2 in the graph). That on a ring link (the local one without its gloo figures); on
+    gloo's placeholder link a reduce-scatter runs, and is priced, as an all-reduce."""
     model = models.preset("gpt-tiny")
     inputs, _ = models.example_batch("gpt-tiny", 8)
-    cluster = ah.Cluster.local(4)
+    gloo = ah.Cluster.local(4)
+    ring = dataclasses.replace(gloo, intra_link=dataclasses.replace(gloo.intra_link,
+                                                                    collectives=()))
+    assert gloo.intra_link.figures("reduce_scatter") != ring.intra_link.figures("reduce_scatter")
     p, n = 4, _unique_param_count(model) * 4  # fp32 gradients
-    alpha, beta = cluster.intra_link.latency_s, 1 / cluster.intra_link.bandwidth
+    alpha, beta = gloo.intra_link.latency_s, 1 / gloo.intra_link.bandwidth
     all_reduce = 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * beta
-    for zero, factor, more in [(0, 1.0, 0), (1, 1.0, 0), (2, 1.0, 0), (3, 1.5, 3 * (p - 1))]:
-        plan = ah.plan(model, cluster, inputs,
-                       constraints=ah.Constraints(zero=zero, num_microbatches=1, tp=1, pp=1))
-        want = factor * all_reduce + more * alpha
-        assert plan.predicted.comm_s == pytest.approx(want, rel=1e-9), zero
+    for cluster, scatter in ((ring, 0.5), (gloo, 1.0)):   # a reduce-scatter, in all-reduces
+        for zero, factor, more in [(0, 1.0, 0), (1, scatter + 0.5, 0), (2, scatter + 0.5, 0),
+                                   (3, scatter + 1.0, 3 * (p - 1))]:
+            plan = ah.plan(model, cluster, inputs,
+                           constraints=ah.Constraints(zero=zero, num_microbatches=1, tp=1, pp=1))
+            want = factor * all_reduce + more * alpha
+            assert plan.predicted.comm_s == pytest.approx(want, rel=1e-9), (cluster, zero)
 
 
 # --------------------------------------------------------------------------- cost model
