@@ -36,9 +36,10 @@ record how many backward steps of the schedule were done and left at each launch
 makes the executor pass no key: the buckets are launched after the schedule.
 
 With ZeRO-1/2 (`shards` given: runtime/zero.py) a bucket is reduce-scattered instead,
-laid out as ops/zero.py's `(dp, Σc)` shards, the whole gradients are dropped as soon as
-the bucket is launched, and `collect` adds each rank's part to its shard parameters'
-gradients. For ZeRO-2 the executor arms the reducer for every microbatch, so no whole
+laid out as ops/zero.py's `(dp, Σc)` shards (on gloo, which sums faster by all-reduce,
+all-reduced as the gradients lie and each rank's columns read out of the sums), the
+whole gradients are dropped as soon as the bucket is launched, and `collect` adds each
+rank's part to its shard parameters' gradients (scaled in the same pass at the end). For ZeRO-2 the executor arms the reducer for every microbatch, so no whole
 gradient outlives its microbatch's backward; ZeRO-1 accumulates whole gradients and
 reduce-scatters in the last backward only (one collective per bucket per step). In a
 pipeline both accumulate whole gradients over the schedule and reduce-scatter each
