@@ -11,7 +11,10 @@ Matmuls are timed at several sizes, all ranks at once (a barrier before each, an
 a window of several scheduler slices, so ranks sharing cores are measured sharing them):
 the best size's rate is the device's figure, and each size's rate over it is the curve
 by which a GEMM of another size is priced (`Profile.matmul_curve`,
-DeviceSpec.gemm_curves, cost/gemm.py) where the device has no tile model.
+DeviceSpec.gemm_curves, cost/gemm.py) where the device has no tile model. On CPU, rank 0
+also times them alone while the other ranks wait: its rate alone over its rate beside
+them (`Profile.alone_speedup`, DeviceSpec.alone_speedup) is what ranks sharing the
+host's cores gain while a pipeline leaves some of them idle (search/pricing.py).
 Collectives are timed on real processes (`ah.launch`), α and β fitted by least squares on
 the ring all-reduce formula T(n) = 2(p−1)α + 2(p−1)/p · n · β.
 
@@ -90,6 +93,9 @@ class Profile:
     #: dtype → [[FLOPs of one GEMM, achieved FLOP/s], ...] ascending: the rate by size
     #: (the slowest rank's), priced where the device has no tile model (cost/gemm.py)
     matmul_curve: dict[str, list[list[float]]] = field(default_factory=dict)
+    #: dtype → a rank's matmul rate computing alone (the others waiting) over its rate
+    #: computing beside them (CPU ranks sharing the host's cores; empty: one rank, CUDA)
+    alone_speedup: dict[str, float] = field(default_factory=dict)
     version: int = PROFILE_VERSION
 
     def hash(self) -> str:
@@ -139,6 +145,8 @@ class Profile:
                        if points and self.matmul_flops.get(dtype))
         if curves:
             device = replace(device, gemm_curves=curves)
+        if self.alone_speedup:   # below 1 is noise: ranks alone are no slower
+            device = replace(device, alone_speedup=max(1.0, max(self.alone_speedup.values())))
         out = replace(cluster, device=device)
         if self.all_reduce_latency_s is not None and self.all_reduce_bandwidth is not None:
             link = LinkSpec(name=f"{cluster.intra_link.name}-calibrated",
@@ -394,7 +402,16 @@ def _measure(rank: int, matmul_sizes: Sequence, dtypes: Sequence[torch.dtype],
     rates = {str(d).removeprefix("torch."): [
         together(lambda: measure_matmul(s, d, repeats, device)) for s in matmul_sizes]
         for d in dtypes}
-    result = {"rates": rates,
+    alone = None
+    if device == "cpu" and dist.is_initialized() and dist.get_world_size() > 1:
+        # rank 0 alone while the others wait in a barrier (blocked, not spinning): what
+        # a rank computes at when its peers leave it their share of the cores
+        dist.barrier()
+        if dist.get_rank() == 0:
+            alone = {str(d).removeprefix("torch."): [
+                measure_matmul(s, d, repeats, device) for s in matmul_sizes] for d in dtypes}
+        dist.barrier()
+    result = {"rates": rates, "alone": alone,
               "bandwidth": together(lambda: measure_bandwidth(repeats=repeats, device=device)),
               "launch_s": together(lambda: measure_launch_overhead(repeats=repeats,
                                                                    device=device))}
@@ -435,8 +452,13 @@ def calibrate(cluster: Cluster | None = None, *, matmul_sizes: Sequence | None =
     curve = {d: sorted([gemm_flops(size), min(r["rates"][d][i] for r in results)]
                        for i, size in enumerate(matmul_sizes)) for d in results[0]["rates"]}
     flops = {d: max(rate for _, rate in points) for d, points in curve.items()}
+    speedup = {}
+    if results[0].get("alone"):  # rank 0 alone over rank 0 beside the others, at its best
+        for d, beside in results[0]["rates"].items():
+            best = max(range(len(beside)), key=beside.__getitem__)
+            speedup[d] = results[0]["alone"][d][best] / beside[best]
     profile = Profile(machine=f"{platform.node()} {platform.machine()} {device}",
-                      matmul_flops=flops, matmul_curve=curve,
+                      matmul_flops=flops, matmul_curve=curve, alone_speedup=speedup,
                       memory_bandwidth=min(r["bandwidth"] for r in results),
                       world_size=len(results),
                       launch_overhead_s=max(r["launch_s"] for r in results))

@@ -159,9 +159,20 @@ class DeviceSpec:
     #: the best measured rate), ...) ascending, from `ah.calibrate`; priced where there is
     #: no tile model (cost/gemm.py `curve_utilization`). Empty: one rate for every GEMM
     gemm_curves: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
+    #: how much faster one rank computes while the cluster's other ranks wait than while
+    #: all compute at once: ranks that share a host's cores (from `ah.calibrate`: its
+    #: matmul rate alone over its rate beside the others); 1 where each rank has its
+    #: own device. A pipeline's idle ranks leave their share to the busy ones
+    #: (search/pricing.py `shared_speedup`).
+    alone_speedup: float = 1.0
 
     def __post_init__(self) -> None:
         _check_positive(f"device {self.name!r}", "memory_bytes", self.memory_bytes)
+        if isinstance(self.alone_speedup, bool) \
+                or not isinstance(self.alone_speedup, (int, float)) or self.alone_speedup < 1:
+            raise ClusterError(f"device {self.name!r}: field 'alone_speedup' must be a "
+                               f"number >= 1 (1: ranks do not share compute), got "
+                               f"{self.alone_speedup!r}")
         _check_positive(f"device {self.name!r}", "launch_overhead_s", self.launch_overhead_s)
         _check_positive(f"device {self.name!r}", "memory_bandwidth", self.memory_bandwidth)
         if not isinstance(self.sm_count, int) or self.sm_count < 0:
@@ -178,7 +189,7 @@ class DeviceSpec:
         """A DeviceSpec from its JSON object (as `dataclasses.asdict` writes it), checked."""
         types = {"name": (str,), "peak_flops": (dict,), "memory_bytes": (int,),
                  "memory_bandwidth": JSON_NUMBER, "source": (str,)}
-        overhead, sms, curves = LAUNCH_OVERHEAD_S, 0, ()
+        overhead, sms, curves, alone = LAUNCH_OVERHEAD_S, 0, (), 1.0
         if isinstance(data, dict) and "launch_overhead_s" in data:  # optional field
             data = dict(data)
             overhead = data.pop("launch_overhead_s")
@@ -190,17 +201,21 @@ class DeviceSpec:
         if isinstance(data, dict) and "gemm_curves" in data:  # optional field
             data = dict(data)
             curves = _gemm_curves(data.pop("gemm_curves"), f"{where}.gemm_curves")
+        if isinstance(data, dict) and "alone_speedup" in data:  # optional field
+            data = dict(data)
+            alone = data.pop("alone_speedup")
+            check_type(f"{where}.alone_speedup", alone, JSON_NUMBER)
         f = checked_fields(data, types, where, prefix=f"{where}.")
         for dtype, value in f["peak_flops"].items():
             check_type(f"{where}.peak_flops[{dtype!r}]", value, JSON_NUMBER)
         return cls(f["name"], {k: float(v) for k, v in f["peak_flops"].items()},
                    f["memory_bytes"], float(f["memory_bandwidth"]), f["source"],
-                   float(overhead), sms, curves)
+                   float(overhead), sms, curves, float(alone))
 
     def __hash__(self) -> int:  # the dict field is not hashable; hash its items instead
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes,
                      self.memory_bandwidth, self.source, self.launch_overhead_s,
-                     self.sm_count, self.gemm_curves))
+                     self.sm_count, self.gemm_curves, self.alone_speedup))
 
     def flops(self, dtype: object, allow_tf32: bool = False) -> float:
         """Peak FLOP/s for `dtype` (a torch dtype or its name); fp32 uses TF32 if allowed."""

@@ -213,6 +213,45 @@ def test_gemms_are_priced_at_the_calibrated_rate_of_their_size():
     assert halved - base == pytest.approx(flops / 5e10, rel=1e-9)
 
 
+@pytest.mark.timeout(60)
+def test_ranks_sharing_cores_price_a_pipeline_s_bubble_at_the_rate_of_fewer_busy_ranks():
+    """A profile's alone speedup (a rank's matmul rate alone over beside the others)
+    reaches the device and its JSON; a pipeline's step then prices its compute by
+    `shared_speedup`: the busy ranks take the idle ones' cores, down to the busy time and
+    no faster than alone. A plan without a bubble (dp) is priced as before."""
+    from dataclasses import replace
+    from autohybrid.search.pricing import shared_speedup
+
+    assert shared_speedup(1.0, 4, 1.0) == 1.0            # each rank its own device
+    assert shared_speedup(2.0, 4, 0.0) == 1.0            # nothing idles
+    assert shared_speedup(2.0, 4, 1.0) == pytest.approx(5 / 4)    # down to the busy time
+    assert shared_speedup(1.1, 4, 1.0) == pytest.approx(1.1)      # no faster than alone
+    shared = _profile(alone_speedup={"float32": 1.9}).apply(ah.Cluster.local(4))
+    assert shared.device.alone_speedup == 1.9
+    assert ah.Cluster.from_json(shared.to_json()).device == shared.device
+    assert _profile(alone_speedup={"float32": 0.97}).apply(
+        ah.Cluster.local(4)).device.alone_speedup == 1.0   # below 1: noise
+    own = replace(shared, device=replace(shared.device, alone_speedup=1.0))
+    model = ah.models.preset("gpt-tiny")
+    (tokens,), _ = ah.models.example_batch(model, 8)
+
+    def predicted(cluster, **pinned):
+        return ah.plan(model, cluster, (tokens,), constraints=ah.Constraints(
+            tp=1, recompute="none", zero=0, **pinned)).predicted
+
+    shared_pp, own_pp = (predicted(c, pp=2, dp=2, schedule="1f1b", num_microbatches=4)
+                         for c in (shared, own))
+    assert own_pp.bubble_fraction == pytest.approx(1 / 5)   # (p − 1) / (m + p − 1)
+    assert shared_pp.bubble_fraction == own_pp.bubble_fraction
+    # 1F1B on 2 stages, 4 microbatches: 5 slots of compute done in the time of 4 (the
+    # cores oversubscribed 1.9×), the rest of the step as it was
+    assert own_pp.compute_s == pytest.approx(shared_pp.compute_s * 5 / 4, rel=1e-9)
+    assert own_pp.step_time_s - shared_pp.step_time_s == pytest.approx(
+        own_pp.compute_s - shared_pp.compute_s, rel=1e-9)
+    assert predicted(shared, pp=1, dp=4, num_microbatches=1) == \
+        predicted(own, pp=1, dp=4, num_microbatches=1)
+
+
 @pytest.mark.procs
 @pytest.mark.timeout(120)
 def test_calibrate_measures_two_local_ranks_and_plans_use_it():
@@ -222,6 +261,9 @@ def test_calibrate_measures_two_local_ranks_and_plans_use_it():
     (small, rate_small), (large, rate_large) = profile.matmul_curve["float32"]
     assert (small, large) == (2 * 128**3, 2 * 256**3)
     assert max(rate_small, rate_large) == profile.matmul_flops["float32"]
+    # rank 0 alone against beside the other rank (2 ranks: about 1 where 2 cores serve)
+    assert set(profile.alone_speedup) == {"float32"}
+    assert 0.3 < profile.alone_speedup["float32"] < 10
     assert profile.memory_bandwidth > 1e8
     assert profile.all_reduce_latency_s is not None and len(profile.samples["all_reduce_s"]) == 4
     assert 1e-8 < profile.launch_overhead_s < 1e-3

@@ -11,7 +11,9 @@ the sum of its stages; the slowest rank sets the pace. The step time follows
            + optimizer update
 
 with the bubble of `bubble` (p−1 for GPipe and 1F1B, (p−1)/v interleaved, less for the
-zero-bubble schedules) and the activations in flight of `in_flight`.
+zero-bubble schedules) and the activations in flight of `in_flight`. Where ranks share
+a host's cores (a calibrated CPU cluster), the first term shrinks by `shared_speedup`:
+idle ranks leave their cores to the busy ones.
 """
 from __future__ import annotations
 
@@ -474,7 +476,8 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
     slowest = max(loads)
     m = layout.num_microbatches
     idle = bubble(layout, stages.sums[loads.index(slowest)])
-    compute = (m + idle) * slowest
+    scheduled = (m + idle) * slowest
+    compute = scheduled / shared_speedup(cluster.device.alone_speedup, m, idle)
     p2p = _p2p(cluster, layout, stages, times, m, cache, every)
     limit = gather_min_mb(cluster, layout) * 2**20 if layout.recompute != "full" else 0.0
     held = _held(profile, stages, shape, cache, limit, graph_dtype_bytes)
@@ -498,12 +501,25 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
     prediction = Prediction(
         step_time_s=step, compute_s=compute - tp_total,
         comm_s=tp_total + p2p + grad_sync, exposed_comm_s=tp_total + p2p + exposed,
-        bubble_fraction=(idle * slowest / compute) if compute else 0.0,
+        bubble_fraction=(idle * slowest / scheduled) if scheduled else 0.0,
         mfu=model_flops / (step * mesh.world_size * peak) if step else 0.0,
         memory_per_rank_bytes=worst.total, device_memory_bytes=cluster.device.memory_bytes,
         memory=worst)
     fits = worst.total <= usable_bytes(cluster.device.memory_bytes)
     return Priced(prediction, stages.starts, fits, chunked, bucket_mb)
+
+
+def shared_speedup(alone: float, m: int, idle: float) -> float:
+    """How much faster than priced a schedule of `m` microbatches whose ranks each idle
+    for `idle` microbatch slots (the bubble) computes on a host whose ranks share its
+    cores: a rank alone computes `alone` times faster than beside all the others
+    (DeviceSpec.alone_speedup: the cores oversubscribed by that factor), so while some
+    ranks idle the busy ones take their share of the cores. The cores' work is conserved
+    down to the busy time, (m + idle)/m, and no rank computes faster than alone. 1 where
+    ranks do not share compute (each its own device) or nothing idles."""
+    if alone <= 1.0 or idle <= 0 or m <= 0:
+        return 1.0
+    return min(alone, (m + idle) / m)
 
 
 def memory_per_pp_rank(profile: ModelProfile, cluster, layout: Layout, seq: int | None,
