@@ -12,9 +12,10 @@ a window of several scheduler slices, so ranks sharing cores are measured sharin
 the best size's rate is the device's figure, and each size's rate over it is the curve
 by which a GEMM of another size is priced (`Profile.matmul_curve`,
 DeviceSpec.gemm_curves, cost/gemm.py) where the device has no tile model. On CPU, rank 0
-also times them alone while the other ranks wait: its rate alone over its rate beside
-them (`Profile.alone_speedup`, DeviceSpec.alone_speedup) is what ranks sharing the
-host's cores gain while a pipeline leaves some of them idle (search/pricing.py).
+also times its best size for a fixed window beside every rank computing, then alone while
+the others wait: the ratio (`Profile.alone_speedup`, DeviceSpec.alone_speedup) is what
+ranks sharing the host's cores gain while a pipeline leaves some of them idle
+(search/pricing.py).
 Collectives are timed on real processes (`ah.launch`), α and β fitted by least squares on
 the ring all-reduce formula T(n) = 2(p−1)α + 2(p−1)/p · n · β.
 
@@ -61,6 +62,8 @@ CUDA_DTYPES = (torch.float32, torch.bfloat16)
 #: the least time one CPU matmul timing spans: several of the kernel scheduler's slices
 #: (a few ms each), so ranks sharing cores are measured sharing them
 CPU_TIMING_WINDOW_S = 0.03
+#: the window every rank computes for at once, then rank 0 alone (`Profile.alone_speedup`)
+SHARED_WINDOW_S = 0.3
 #: collectives timed in a step's context, per kind; priced by kind (cost/comm.py)
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
 #: the compute between two timed collectives on CPU: (m, k, n), run twice (a layer's
@@ -206,6 +209,19 @@ def measure_matmul(size: int | Sequence[int], dtype: torch.dtype, repeats: int =
         for _ in range(inner):
             torch.mm(a, b)
     return flops * inner / _timed(window, repeats)
+
+
+def matmul_rate_over(size: int | Sequence[int], dtype: torch.dtype, seconds: float) -> float:
+    """FLOP/s of back-to-back CPU matmuls of `size` for a fixed wall-clock window (so
+    that ranks started together compute side by side for all of it)."""
+    m, k, n = (size, size, size) if isinstance(size, int) else tuple(size)
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    torch.mm(a, b)
+    count, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        torch.mm(a, b)
+        count += 1
+    return gemm_flops(size) * count / elapsed
 
 
 def cuda_time(fn, repeats: int, inner: int = 10) -> float:
@@ -404,13 +420,18 @@ def _measure(rank: int, matmul_sizes: Sequence, dtypes: Sequence[torch.dtype],
         for d in dtypes}
     alone = None
     if device == "cpu" and dist.is_initialized() and dist.get_world_size() > 1:
-        # rank 0 alone while the others wait in a barrier (blocked, not spinning): what
-        # a rank computes at when its peers leave it their share of the cores
-        dist.barrier()
-        if dist.get_rank() == 0:
-            alone = {str(d).removeprefix("torch."): [
-                measure_matmul(s, d, repeats, device) for s in matmul_sizes] for d in dtypes}
-        dist.barrier()
+        alone = {}
+        for d in dtypes:
+            name = str(d).removeprefix("torch.")
+            size = matmul_sizes[max(range(len(matmul_sizes)), key=rates[name].__getitem__)]
+            # every rank busy for the same window (none done early, leaving a core to the
+            # rest), then rank 0 alone while the others wait in a barrier (blocked, not
+            # spinning): its rate when its peers leave it their share of the cores
+            beside = together(lambda: matmul_rate_over(size, d, SHARED_WINDOW_S))
+            dist.barrier()
+            if dist.get_rank() == 0:
+                alone[name] = matmul_rate_over(size, d, SHARED_WINDOW_S) / beside
+            dist.barrier()
     result = {"rates": rates, "alone": alone,
               "bandwidth": together(lambda: measure_bandwidth(repeats=repeats, device=device)),
               "launch_s": together(lambda: measure_launch_overhead(repeats=repeats,
@@ -452,11 +473,7 @@ def calibrate(cluster: Cluster | None = None, *, matmul_sizes: Sequence | None =
     curve = {d: sorted([gemm_flops(size), min(r["rates"][d][i] for r in results)]
                        for i, size in enumerate(matmul_sizes)) for d in results[0]["rates"]}
     flops = {d: max(rate for _, rate in points) for d, points in curve.items()}
-    speedup = {}
-    if results[0].get("alone"):  # rank 0 alone over rank 0 beside the others, at its best
-        for d, beside in results[0]["rates"].items():
-            best = max(range(len(beside)), key=beside.__getitem__)
-            speedup[d] = results[0]["alone"][d][best] / beside[best]
+    speedup = dict(results[0].get("alone") or {})
     profile = Profile(machine=f"{platform.node()} {platform.machine()} {device}",
                       matmul_flops=flops, matmul_curve=curve, alone_speedup=speedup,
                       memory_bandwidth=min(r["bandwidth"] for r in results),

@@ -677,6 +677,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     else:
         flops = ", ".join(f"{d} {v / 1e9:.1f} GFLOP/s" for d, v in profile.matmul_flops.items())
         print(f"matmul {flops}; element-wise {profile.memory_bandwidth / 1e9:.1f} GB/s")
+        for dtype, speedup in profile.alone_speedup.items():
+            print(f"a rank computing alone: {speedup:.2f}× its {dtype} matmul rate beside the "
+                  f"other ranks (ranks sharing cores; priced in pipeline bubbles)")
         if profile.all_reduce_latency_s is not None:
             bw = profile.all_reduce_bandwidth or float("inf")
             print(f"all-reduce on {profile.world_size} ranks: α = "

@@ -210,7 +210,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                       f"{prof.memory_bandwidth / 1e9:.1f} GB/s, all-reduce α "
                       f"{(prof.all_reduce_latency_s or 0) * 1e6:.0f} µs, 1/β "
                       f"{(prof.all_reduce_bandwidth or 0) / 1e9:.2f} GB/s, per op "
-                      f"{(prof.launch_overhead_s or 0) * 1e6:.1f} µs", flush=True)
+                      f"{(prof.launch_overhead_s or 0) * 1e6:.1f} µs, a rank alone "
+                      f"{max(prof.alone_speedup.values(), default=1.0):.2f}× its rate "
+                      f"beside the others", flush=True)
         cands = candidates(case, profiles[case.ranks], args.max_plans)
         measure(case, cands, args.steps, args.rounds)
         results.append({"case": name, **report(case, cands)})
