@@ -373,7 +373,10 @@ class GradReducer:
                     part, offset = bucket.flat[offset + lo: offset + hi], offset + n
                 else:
                     part, offset = bucket.flat[offset: offset + c], offset + c
-                if not has:  # frozen or unused: no gradient, as in eager
+                if not has:  # frozen or unused: no gradient, as in eager; one from
+                    # earlier microbatches only (ZeRO-2) is scaled with the rest
+                    if scale is not None and shard.grad is not None:
+                        shard.grad.mul_(scale)
                     continue
                 if shard.grad is None:   # one pass: the part, scaled; zero padding
                     grad = shard.new_empty(c)
@@ -391,13 +394,6 @@ class GradReducer:
                 if scale is not None:
                     shard.grad.mul_(scale)
             bucket.flat, bucket.work = None, None
-        if scale is None:
-            return
-        for bucket in self.buckets:   # a gradient of earlier microbatches only (ZeRO-2)
-            for p, has in zip(bucket.params, bucket.has_grad):
-                shard = self.shards[id(p)]
-                if not has and shard.grad is not None:
-                    shard.grad.mul_(scale)
 
     def remove(self) -> None:
         for handle in self._handles:
