@@ -39,8 +39,9 @@ With ZeRO-1/2 (`shards` given: runtime/zero.py) a bucket is reduce-scattered ins
 laid out as ops/zero.py's `(dp, Σc)` shards (on gloo, which sums faster by all-reduce,
 all-reduced as the gradients lie and each rank's columns read out of the sums), the
 whole gradients are dropped as soon as the bucket is launched, and `collect` adds each
-rank's part to its shard parameters' gradients (scaled in the same pass at the end). For ZeRO-2 the executor arms the reducer for every microbatch, so no whole
-gradient outlives its microbatch's backward; ZeRO-1 accumulates whole gradients and
+rank's part to its shard parameters' gradients (scaled in the same pass at the end).
+For ZeRO-2 the executor arms the reducer for every microbatch, so no whole gradient
+outlives its microbatch's backward; ZeRO-1 accumulates whole gradients and
 reduce-scatters in the last backward only (one collective per bucket per step). In a
 pipeline both accumulate whole gradients over the schedule and reduce-scatter each
 bucket once, when its counts are reached.
