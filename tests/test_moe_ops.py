@@ -1,0 +1,161 @@
+"""`autohybrid::moe_experts` equals the experts loop it replaces, on one rank and over ep ranks.
+
+The reference is Hugging Face's eager experts loop written out token by token (float64).
+One rank: values and every gradient (tokens, routing weights, both expert weights), for
+each activation, the "no expert" sentinel and an expert no token reaches; backward with
+forward's saved rows and with them recomputed. Expert parallelism (2 and 4 gloo ranks in
+one launch each): every rank holds its shard of the tokens and its slice of the experts,
+and must give the rows and token gradients of its shard and the whole batch's gradients of
+its experts, as the reference on the whole batch does — with routes spread, all sent to
+one rank's experts (the others receive nothing) and uneven per expert.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from _limits import guard
+from _pool import launch as pool_launch
+from autohybrid.errors import RuntimeFailure
+from autohybrid.ops import groups, moe
+from autohybrid.ops.moe import moe_experts
+
+D = torch.float64
+H, INTER = 6, 5
+LAUNCH_TIMEOUT_S = guard(90)
+
+
+def _reference(x, idx, w, gate_up, down, act: str):
+    fn = {"silu": F.silu, "gelu": F.gelu, "relu": torch.relu,
+          "gelu_tanh": lambda g: F.gelu(g, approximate="tanh")}[act]
+    rows = []
+    for t in range(x.shape[0]):
+        row = torch.zeros_like(x[t])
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            if e < gate_up.shape[0]:
+                gate, up = (gate_up[e] @ x[t]).split(down.shape[-1])
+                row = row + w[t, j] * (down[e] @ (fn(gate) * up))
+        rows.append(row)
+    return torch.stack(rows)
+
+
+def _inputs(tokens: int, experts: int, k: int, routes: str, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, H, dtype=D, generator=gen)
+    if routes == "spread":
+        idx = torch.randint(0, experts, (tokens, k), generator=gen)
+    elif routes == "one":          # every route to expert 0 (rank 0's)
+        idx = torch.zeros(tokens, k, dtype=torch.long)
+    else:                          # "skewed": mostly the last expert, a few elsewhere
+        idx = torch.full((tokens, k), experts - 1, dtype=torch.long)
+        idx[::3, 0] = torch.randint(0, experts, (len(range(0, tokens, 3)),), generator=gen)
+    w = torch.rand(tokens, k, dtype=D, generator=gen)
+    gate_up = torch.randn(experts, 2 * INTER, H, dtype=D, generator=gen)
+    down = torch.randn(experts, H, INTER, dtype=D, generator=gen)
+    return x, idx, w, gate_up, down
+
+
+def _leaves(*ts):
+    return [t.detach().clone().requires_grad_() for t in ts]
+
+
+def _close(what, actual, expected):
+    torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-11,
+                               msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("act", moe.ACTIVATIONS)
+def test_one_rank_equals_the_experts_loop(act):
+    x, idx, w, gate_up, down = _inputs(10, 4, 2, "spread", seed=3)
+    idx[0, 1] = 4                       # the sentinel: no expert
+    idx[idx == 1] = 2                   # expert 1 gets no token
+    gy = torch.randn(10, H, dtype=D, generator=torch.Generator().manual_seed(9))
+    a = _leaves(x, w, gate_up, down)
+    b = _leaves(x, w, gate_up, down)
+    out = moe_experts(a[0], idx, a[1], a[2], a[3], 4, act, "")
+    ref = _reference(b[0], idx, b[1], b[2], b[3], act)
+    _close("output", out, ref)
+    grads = torch.autograd.grad(out, a, gy)
+    expected = torch.autograd.grad(ref, b, gy)
+    for name, g, e in zip(("x", "weights", "gate_up", "down"), grads, expected):
+        _close(f"grad {name}", g, e)
+    assert grads[2][1].abs().sum() == 0 and grads[1][0, 1] == 0
+
+
+def test_backward_recomputes_what_forward_did_not_leave(monkeypatch):
+    class Forgetful:            # a forward that left nothing, as a traced one
+        value = property(lambda self: None, lambda self, v: None)
+    monkeypatch.setattr(moe, "_LEFT", Forgetful())
+    x, idx, w, gate_up, down = _inputs(9, 4, 2, "skewed", seed=4)
+    a = _leaves(x, w, gate_up, down)
+    b = _leaves(x, w, gate_up, down)
+    out = moe_experts(a[0], idx, a[1], a[2], a[3], 4, "silu", "")
+    ref = _reference(b[0], idx, b[1], b[2], b[3], "silu")
+    gy = torch.ones_like(out)
+    for g, e in zip(torch.autograd.grad(out, a, gy), torch.autograd.grad(ref, b, gy)):
+        _close("gradient", g, e)
+
+
+def test_bad_routes_and_shapes_are_refused():
+    x, idx, w, gate_up, down = _inputs(4, 4, 2, "spread")
+    with pytest.raises(RuntimeFailure, match=r"indices must lie in \[0, 4\]"):
+        moe_experts(x, idx + 5, w, gate_up, down, 4, "silu", "")
+    with pytest.raises(RuntimeFailure, match="need 4 local experts"):
+        moe_experts(x, idx, w, gate_up[:2], down[:2], 4, "silu", "")
+    with pytest.raises(RuntimeFailure, match="activation 'tanh'"):
+        moe_experts(x, idx, w, gate_up, down, 4, "tanh", "")
+
+
+def test_fake_gives_the_token_shape():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        x, idx, w = torch.empty(7, H), torch.zeros(7, 2, dtype=torch.long), torch.empty(7, 2)
+        out = moe_experts(x, idx, w, torch.empty(4, 2 * INTER, H), torch.empty(4, H, INTER),
+                          4, "silu", "")
+    assert out.shape == (7, H)
+
+
+# ------------------------------------------------------------------ expert parallelism
+
+def _ep_rank(rank: int, world: int, experts: int, routes: str) -> str:
+    groups.bind("ep", dist.group.WORLD)
+    try:
+        per = 5 + rank                              # uneven token counts per rank
+        sizes = [5 + r for r in range(world)]
+        x, idx, w, gate_up, down = _inputs(sum(sizes), experts, 2, routes, seed=11)
+        idx[1, 1] = experts                         # a sentinel route
+        gy = torch.randn(sum(sizes), H, dtype=D, generator=torch.Generator().manual_seed(5))
+        lo = sum(sizes[:rank])
+        mine = slice(lo, lo + per)
+        local = experts // world
+        own = slice(rank * local, (rank + 1) * local)
+        full = _leaves(x, w, gate_up, down)
+        ref = _reference(full[0], idx, full[1], full[2], full[3], "silu")
+        ref_grads = torch.autograd.grad(ref, full, gy)
+        part = _leaves(x[mine], w[mine], gate_up[own], down[own])
+        out = moe_experts(part[0], idx[mine], part[1], part[2], part[3], experts, "silu",
+                          "ep")
+        _close("output", out, ref[mine])
+        grads = torch.autograd.grad(out, part, gy[mine])
+        _close("grad x", grads[0], ref_grads[0][mine])
+        _close("grad weights", grads[1], ref_grads[1][mine])
+        _close("grad gate_up", grads[2], ref_grads[2][own])
+        _close("grad down", grads[3], ref_grads[3][own])
+        if routes == "one" and rank > 0:     # nothing reached this rank's experts
+            assert grads[2].abs().sum() == 0
+    finally:
+        groups.clear()
+    return f"ok:{rank}"
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world, experts", [(2, 4), (4, 8)])
+def test_expert_parallel_equals_the_whole_batch(world, experts):
+    for routes in ("spread", "one", "skewed"):
+        results = pool_launch(_ep_rank, world, args=(world, experts, routes),
+                              timeout_s=LAUNCH_TIMEOUT_S)
+        assert results == [f"ok:{r}" for r in range(world)]
