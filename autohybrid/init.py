@@ -169,6 +169,8 @@ class TransformerRule:
             return InitSpec.normal(self.std) if param_name == "weight" else None
         if is_norm(module):
             return {"weight": _ONES, "bias": _ZEROS}.get(param_name)
+        if getattr(module, "_ah_experts", False) and param.dim() == 3:
+            return InitSpec.normal(self.std)  # stacked expert weights (models/moe.py)
         return None
 
 

@@ -27,8 +27,10 @@ MATMUL_OPS = frozenset({
     "aten.linear.default", "aten.mm.default", "aten.bmm.default", "aten.matmul.default",
     "aten.addmm.default", "aten.baddbmm.default", "aten.conv1d.default", "aten.conv2d.default",
     "aten.conv3d.default", "aten.convolution.default", "aten.scaled_dot_product_attention.default",
-    "aten.einsum.default",
+    "aten.einsum.default", "autohybrid.moe_experts.default",
 })
+#: a MoE layer's experts (ops/moe.py): every route is two matmuls of one expert's weights
+MOE_EXPERTS = "autohybrid.moe_experts.default"
 # ops whose backward needs their tensor inputs (the rest: outputs or nothing)
 _SAVES_NOTHING = frozenset({"aten.add.Tensor", "aten.sub.Tensor", "aten.neg.default",
                             "aten.add_.Tensor", "aten.cat.default", "aten.clone.default",
@@ -95,6 +97,10 @@ def forward_flops(node: fx.Node) -> sympy.Expr:
         return 4 * numel_expr(q) * sym_expr(k.shape[-2])
     if name in ("aten.embedding.default",):
         return sympy.Integer(0)
+    if name == MOE_EXPERTS:
+        routes, gate_up, down = numel_expr(args[1]), args[3], args[4]
+        return 2 * routes * (sym_expr(gate_up.shape[1]) * sym_expr(gate_up.shape[2])
+                             + sym_expr(down.shape[1]) * sym_expr(down.shape[2]))
     return sum((numel_expr(t) for t in outs), sympy.Integer(0))
 
 
@@ -108,6 +114,17 @@ def bytes_moved(node: fx.Node) -> sympy.Expr:
     if name == "aten.embedding.default":  # reads only the gathered rows
         ins = ins[1:]
     return sum((nbytes_expr(t) for t in ins + outs), sympy.Integer(0))
+
+
+def extra_saved_bytes(node: fx.Node) -> sympy.Expr:
+    """Bytes an op keeps for backward beyond the graph values `saved_nodes` names: a MoE
+    layer's experts keep, per route, its row as its expert received it, the gate/up
+    projection and the expert's output (ops/moe.py)."""
+    if op_name(node) != MOE_EXPERTS:
+        return sympy.Integer(0)
+    x, index, gate_up = (node.args[i].meta[VAL] for i in (0, 1, 3))
+    per_route = 2 * sym_expr(x.shape[-1]) + sym_expr(gate_up.shape[1])
+    return numel_expr(index) * per_route * x.element_size()
 
 
 def grad_nodes(gm: fx.GraphModule) -> set[fx.Node]:
@@ -152,4 +169,6 @@ def saved_nodes(node: fx.Node, needs_grad: set[fx.Node] | None = None) -> list[f
         return saved
     if name == "aten.scaled_dot_product_attention.default":
         tensors.append(node)
+    if name == MOE_EXPERTS:   # the tokens (the rest: extra_saved_bytes) and routes
+        return tensors[:3]
     return tensors

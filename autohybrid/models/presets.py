@@ -20,12 +20,13 @@ from .cnn import cosmoflow, vgg
 from .gpt import gpt
 from .llama import llama
 from .mlp import mlp
+from .moe import moe
 from .resnet import resnet
 
 #: model kind -> factory
 FACTORIES: dict[str, Callable[..., nn.Module]] = {
     "gpt": gpt, "llama": llama, "mlp": mlp, "resnet": resnet, "vgg": vgg,
-    "cosmoflow": cosmoflow,
+    "cosmoflow": cosmoflow, "moe": moe,
 }
 
 
@@ -68,6 +69,16 @@ def _llama3(name: str, layers: int, hidden: int, heads: int, ffn: int) -> ModelC
                        f"Llama 3 {name.split('-')[1].upper()}")
 
 
+def _mixtral(name: str, layers: int, hidden: int, heads: int, experts: int, top_k: int,
+             ffn: int) -> ModelConfig:
+    return ModelConfig(name, "moe", dict(layers=layers, hidden=hidden, heads=heads, kv_heads=8,
+                                         vocab=32000 if "8x7b" in name else 32768,
+                                         seq=4096, experts=experts, top_k=top_k,
+                                         expert_hidden=ffn, rope_theta=1e6,
+                                         aux_loss_coef=0.02),
+                       f"Mixtral {name.split('-')[1].upper()} (Mistral AI's model card)")
+
+
 _ALL: list[ModelConfig] = [
     _gpt3("gpt3-125m", 12, 768, 12, "GPT-3 Small"),
     _gpt3("gpt3-350m", 24, 1024, 16, "GPT-3 Medium"),
@@ -97,6 +108,19 @@ _ALL: list[ModelConfig] = [
     ModelConfig("llama-tiny", "llama", dict(layers=2, hidden=32, heads=4, kv_heads=2,
                                             vocab=96, seq=16, ffn_hidden=64),
                 "tiny Llama (GQA 4:2) for tests"),
+    ModelConfig("moe-tiny", "moe", dict(layers=2, hidden=32, heads=4, kv_heads=2, vocab=96,
+                                        seq=16, experts=4, top_k=2, expert_hidden=24,
+                                        shared=1, aux_loss_coef=0.01),
+                "tiny MoE (4 experts, top-2, one shared, balance loss) for tests"),
+    _mixtral("mixtral-8x7b", 32, 4096, 32, 8, 2, 14336),
+    _mixtral("mixtral-8x22b", 56, 6144, 48, 8, 2, 16384),
+    ModelConfig("deepseek-v3-style", "moe", dict(
+        layers=61, hidden=7168, heads=128, kv_heads=128, vocab=129280, seq=4096,
+        experts=256, top_k=8, expert_hidden=2048, shared=1, score="sigmoid",
+        routed_scale=2.5, dense_layers=3, ffn_hidden=18432, aux_loss_coef=0.0001,
+        rope_theta=10000.0),
+        "DeepSeek-V3's expert layout (256 routed experts of 2048, top-8 by sigmoid "
+        "score, one shared, three dense layers of 18432) with GQA attention, not MLA"),
     ModelConfig("mlp-tiny", "mlp", dict(in_features=16, hidden=32, out_features=8),
                 "tiny MLP for tests"),
     ModelConfig("resnet-tiny", "resnet", dict(depth=8, width=8, num_classes=10,
@@ -134,7 +158,7 @@ def example_batch(name: str | nn.Module, batch: int, seq: int | None = None, see
                   image_size: int | None = None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """``(inputs, targets)`` for a preset name or a zoo model, drawn from ``seed``.
 
-    gpt/llama: ids ``(batch, seq)`` and the next-token targets ``(batch, seq)`` (``seq``
+    gpt/llama/moe: ids ``(batch, seq)`` and the next-token targets ``(batch, seq)`` (``seq``
     defaults to the model's). mlp: features ``(batch, in_features)`` and class targets in
     ``[0, out_features)``. resnet: images ``(batch, C, S, S)`` (``S`` = ``image_size``,
     the preset's, else 32 or 224) and class targets; vgg / cosmoflow: images / volumes
@@ -154,7 +178,7 @@ def example_batch(name: str | nn.Module, batch: int, seq: int | None = None, see
         kind, cfg, default_image = pc.kind, dict(pc.kwargs), pc.image_size
     g = torch.Generator().manual_seed(seed)
     fdt = dtype or torch.float32
-    if kind in ("gpt", "llama"):
+    if kind in ("gpt", "llama", "moe"):
         s = int(seq if seq is not None else cfg["seq"])
         ids = torch.randint(0, cfg["vocab"], (batch, s + 1), generator=g)
         inputs: tuple[torch.Tensor, ...] = (ids[:, :-1].contiguous(),)

@@ -41,9 +41,13 @@ INPUT_KEYS = ("batch", "seq")
 DEFAULT_BATCH = 8
 
 
-def zoo_loss(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def zoo_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
     """Cross-entropy over the last dimension: next-token loss of a language model's
-    (batch, seq, vocab) logits, class loss of a classifier's (batch, classes)."""
+    (batch, seq, vocab) logits, class loss of a classifier's (batch, classes); a MoE
+    model's (logits, balance loss) adds the balance loss (models/moe.moe_loss)."""
+    if isinstance(output, (tuple, list)):
+        from .moe import moe_loss
+        return moe_loss(output, targets)
     return F.cross_entropy(output.reshape(-1, output.shape[-1]), targets.reshape(-1))
 
 

@@ -1223,6 +1223,27 @@ def _grouped_mm(self: BatchFlow, node: fx.Node) -> Flow:
 BatchFlow._grouped_mm = _grouped_mm
 
 
+@_rule("autohybrid.moe_experts")
+def _moe_experts(self: BatchFlow, node: fx.Node) -> Flow:
+    """ops/moe.py: output row t is a function of rows t of the tokens, routes and
+    weights (and of the replicated expert weights), whatever the other rows are."""
+    kw = schema_args(node)
+    rows = [self.flow(kw[name]) for name in ("x", "top_k_index", "top_k_weights")]
+    weights = [self.flow(kw[name]) for name in ("gate_up", "down")]
+    for f in rows + weights:
+        if f.kind == UNKNOWN:
+            return f
+    if all(f.kind == REP for f in rows + weights):
+        return self._all_rep(node)
+    if any(f.kind != REP for f in weights):
+        raise _Fail("expert weights that depend on the batch")
+    x = rows[0]
+    if x.kind != SPLIT or x.dim != 0 or any(f.layout() != x.layout() for f in rows[1:]):
+        raise _Fail("tokens, routes and routing weights whose rows are not the same "
+                    "samples' (each must be split along dim 0 alike)")
+    return x.moved(0)
+
+
 @_rule("aten.index")
 def _index(self: BatchFlow, node: fx.Node) -> Flow:
     x, indices = node.args[0], list(node.args[1])

@@ -16,7 +16,8 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ..cost.compute import (MATMUL_OPS, _tensors, bytes_moved, forward_flops, nbytes_expr,
+from ..cost.compute import (MATMUL_OPS, _tensors, bytes_moved, extra_saved_bytes,
+                            forward_flops, nbytes_expr,
                             grad_nodes, numel_expr, saved_nodes, sym_expr)
 from ..graph import AH_PARAM, AH_ROLE, VAL, VIEW_OPS, op_name
 from .layers import Layer, segment
@@ -238,6 +239,8 @@ def _compile_layer(layer: Layer, layout: TensorParallelLayout, subs: dict, batch
                 sums["attention_saved"].extend(nbytes_expr(t) for t in _tensors(s.meta[VAL]))
         if node in saved_anywhere:
             saved.setdefault(node.name, node)
+        if needs_grad is None or node in needs_grad:
+            sums[f"saved_{part}"].append(extra_saved_bytes(node))
     for s in saved.values():
         part = "sharded" if layout.is_sharded(s) else "replicated"
         sums[f"saved_{part}"].extend(nbytes_expr(t) for t in _tensors(s.meta.get(VAL)))
