@@ -31,6 +31,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from . import capture_cache, capture_wire
 from .capture_blocks import export_by_blocks
+from .capture_moe import routed_experts
 from .errors import CaptureError
 from .graph import AH_BUFFER, AH_PARAM, AH_ROLE, VAL, graph_hash, verify
 from .sample_stats import StatsLoss
@@ -218,7 +219,7 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
                if autocast is not None else contextlib.nullcontext())
     # a model run without targets whose forward takes them (labels=...) may need them
     missing = target_kwarg(model) if not targets else None
-    with context:
+    with context, routed_experts(model):
         # a model of repeated blocks: export a few, replicate them (capture_blocks.py)
         ep, method = export_by_blocks(wrapper, args, dynamic), "export"
         if ep is None:

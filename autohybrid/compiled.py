@@ -215,10 +215,13 @@ class CompiledModel:
         if plan.mesh.pp > 1:
             self._owned = program.stage_params()
         zero3 = plan.zero == 3 and plan.mesh.dp > 1
-        if plan.mesh.tp > 1:
-            tp_group = mesh.get_group("tp") if mesh is not None else None
-            self.sharded = ShardedParameters(model, program.param_shards, tp_group,
-                                             plan.mesh.tp, None if zero3 else self._tp_shard)
+        if plan.mesh.tp > 1 or plan.mesh.ep > 1:
+            axes = {"tp": (mesh.get_group("tp") if mesh is not None and plan.mesh.tp > 1
+                           else None, plan.mesh.tp),
+                    "ep": (ops_groups.get("ep") if mesh is not None and plan.mesh.ep > 1
+                           else None, plan.mesh.ep)}
+            self.sharded = ShardedParameters(model, program.param_shards, axes,
+                                             None if zero3 else self._tp_shard)
             self.sharded.into_state(state)
         if self.materializer is not None and not zero3:  # this rank's whole parameters
             split = self.sharded.specs if self.sharded is not None else {}
@@ -232,10 +235,14 @@ class CompiledModel:
                                    self._zero_shard)
             if zero3:  # the graphs read the shards (passes/zero.py)
                 state.update(self.zero.shards)
+        trained = self._trained_params()
+        experts = ({id(trained[name]): ops_groups.get("edp")
+                    for name, spec in self.sharded.specs.items()
+                    if spec.axis == "ep" and name in trained}
+                   if self.sharded is not None and mesh is not None else None)
         self.executor = Executor(plan, self.rank, self.coords[1], dp_group,
-                                 _full_state(model, state),
-                                 list(self._trained_params().values()), self.zero,
-                                 self.scaler)
+                                 _full_state(model, state), list(trained.values()), self.zero,
+                                 self.scaler, param_groups=experts)
         self.executor.microbatch_hooks = hooks
 
     def _make_optimizer(self) -> None:

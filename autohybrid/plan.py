@@ -63,13 +63,22 @@ class Mesh:
     tp: int = 1
     sp: bool = False
     spatial: tuple[int, ...] = ()
+    #: expert parallelism: a MoE layer's experts split over groups of `ep` consecutive dp
+    #: ranks (ep divides dp), each holding its tokens (`expert_groups`)
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for axis in ("pp", "dp", "tp"):
+        for axis in ("pp", "dp", "tp", "ep"):
             value = getattr(self, axis)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanError(f"mesh.{axis} must be a positive integer, got {value!r}")
         check_spatial("mesh.spatial", self.spatial, self.tp, self.sp)
+        if self.dp % self.ep:
+            raise PlanError(f"mesh.ep={self.ep} must divide mesh.dp={self.dp}: expert "
+                            "parallelism splits the experts over groups of dp ranks")
+        if self.ep > 1 and self.spatial:
+            raise PlanError("mesh.ep > 1 splits a MoE model's experts; mesh.spatial tiles a "
+                            "CNN's activations: a plan has one or the other")
 
     @property
     def world_size(self) -> int:
@@ -84,7 +93,8 @@ class Mesh:
             tiles = "×".join(map(str, self.spatial))
             return f"pp{self.pp}×dp{self.dp}×spatial{tiles}"
         sp = "+sp" if self.sp else ""
-        return f"pp{self.pp}×dp{self.dp}×tp{self.tp}{sp}"
+        ep = f"(ep{self.ep})" if self.ep > 1 else ""
+        return f"pp{self.pp}×dp{self.dp}{ep}×tp{self.tp}{sp}"
 
 
 def spatial_tile_axes(mesh: Mesh) -> tuple[str, ...]:
@@ -115,6 +125,24 @@ def spatial_groups(mesh: Mesh) -> dict[str, list[list[int]]]:
         out["dp_tp"] = [[(p * mesh.dp + d) * mesh.tp + t for d in range(mesh.dp)
                          for t in range(mesh.tp)] for p in range(mesh.pp)]
     return out
+
+
+def expert_groups(mesh: Mesh) -> dict[str, list[list[int]]]:
+    """The axes expert parallelism uses, as lists of mesh ranks: "ep", the ranks that split
+    the experts between them (dp coordinates d with the same d // ep, the same pp and tp
+    coordinates; ep rank d mod ep holds experts [r·E/ep, (r+1)·E/ep)), and "edp", the
+    ranks holding the same experts, over which their gradients are summed (the same
+    d mod ep). Empty when mesh.ep is 1."""
+    if mesh.ep == 1:
+        return {}
+    def rank(p: int, d: int, t: int) -> int:
+        return (p * mesh.dp + d) * mesh.tp + t
+    blocks = mesh.dp // mesh.ep
+    cells = [(p, t) for p in range(mesh.pp) for t in range(mesh.tp)]
+    return {"ep": [[rank(p, b * mesh.ep + e, t) for e in range(mesh.ep)]
+                   for p, t in cells for b in range(blocks)],
+            "edp": [[rank(p, b * mesh.ep + e, t) for b in range(blocks)]
+                    for p, t in cells for e in range(mesh.ep)]}
 
 
 def check_spatial(where: str, spatial: Any, tp: int | None, sp: bool | None) -> None:
@@ -352,12 +380,15 @@ class Constraints:
     grad_reduce_dtype: str | None = None
     #: tile counts of spatial parallelism on the tp axis (Mesh.spatial); () pins none
     spatial: tuple[int, ...] | None = None
+    #: expert parallelism degree (Mesh.ep; 1 pins none)
+    ep: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.spatial, list):
             object.__setattr__(self, "spatial", tuple(self.spatial))
         check_spatial("Constraints.spatial", self.spatial, self.tp, self.sp)
-        for name in ("dp", "tp", "pp", "microbatch_size", "num_microbatches", "virtual_stages"):
+        for name in ("dp", "tp", "pp", "microbatch_size", "num_microbatches", "virtual_stages",
+                     "ep"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or value < 1):
@@ -568,13 +599,18 @@ def _check_collective_matmul(plan: Plan) -> None:
 # ---------------------------------------------------------------------- JSON helpers
 #: fields added since FORMAT_VERSION 1 was first written: a plan file without them reads
 #: as their default
-_ADDED_FIELDS = {"Plan": ("params_hash",), "Mesh": ("spatial",),
-                 "Alternative": ("constraints",)}
+_ADDED_FIELDS = {"Plan": ("params_hash",), "Mesh": ("spatial", "ep"),
+                 "Alternative": ("constraints",), "Constraints": ("ep",)}
+#: fields written only when not at their default, so that plans without them keep their
+#: JSON (and hash) byte for byte
+_WRITTEN_IF_SET = {"Mesh": ("ep",), "Constraints": ("ep",)}
 
 
 def _to_jsonable(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
-        return {f.name: _to_jsonable(getattr(obj, f.name)) for f in fields(obj)}
+        optional = _WRITTEN_IF_SET.get(type(obj).__name__, ())
+        return {f.name: _to_jsonable(getattr(obj, f.name)) for f in fields(obj)
+                if f.name not in optional or getattr(obj, f.name) != f.default}
     if isinstance(obj, (list, tuple)):
         return [_to_jsonable(o) for o in obj]
     return obj

@@ -24,7 +24,8 @@ from .search.sharding import TensorParallelLayout
 # ------------------------------------------------------------------ parameter shards
 @dataclass(frozen=True)
 class ShardSpec:
-    """Which part of a full parameter one tp rank holds.
+    """Which part of a full parameter one rank of mesh axis `axis` holds ("tp": tensor
+    parallelism; "ep": a MoE layer's experts, split along dim 0 by expert parallelism).
 
     The parameter's `dim` (full size `size`) holds `chunks` blocks (3 for a fused qkv
     projection): equal ones, or of the sizes `blocks` lists (a fused projection taken
@@ -40,6 +41,7 @@ class ShardSpec:
     ways: int
     index: int
     blocks: tuple[int, ...] = ()
+    axis: str = "tp"
 
     @property
     def shard_size(self) -> int:

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 from . import ops
 from .capture import CapturedGraph
 from .passes import ORDER, PassContext, passes_for, run_passes
-from .plan import AXES, Plan, spatial_groups
+from .plan import AXES, Plan, expert_groups, spatial_groups
 from .program import RankProgram
 
 #: The notes the passes leave (passes/*.py) → the RankProgram field each becomes.
@@ -109,7 +109,8 @@ def fake_process_groups(plan: Plan, rank: int) -> Iterator[None]:
         for axis, size, index in zip(AXES, sizes, plan.mesh.coords(rank)):
             ops.groups.bind(axis, FakeProcessGroup._create_internal(index, size)
                             if size > 1 else None)
-        for axis, rows in spatial_groups(plan.mesh).items():
+        extra = {**spatial_groups(plan.mesh), **expert_groups(plan.mesh)}
+        for axis, rows in extra.items():
             row = next(r for r in rows if rank in r)
             ops.groups.bind(axis, FakeProcessGroup._create_internal(row.index(rank), len(row)))
         yield

@@ -20,9 +20,12 @@ ROOT = Path(__file__).resolve().parent.parent / "autohybrid"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("errors", "logs", "graph", "hardware", "plan", "init", "blame",
                     "device_facts", "cluster", "features")),
+    # ops with no autohybrid dependency beyond errors, which models and capture call
+    ("model ops", ("ops.groups", "ops.moe")),
     ("models", ("models",)),
     ("capture", ("capture", "capture_cache", "capture_blocks", "capture_probe",
-                 "capture_splice", "capture_wire", "batch_spec", "sample_stats")),
+                 "capture_splice", "capture_wire", "capture_moe", "batch_spec",
+                 "sample_stats")),
     ("cost", ("cost",)),
     ("search", ("search",)),
     ("codegen", ("codegen",)),

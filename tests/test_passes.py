@@ -483,15 +483,15 @@ def test_debug_dumps_plan_and_one_graph_per_pass(monkeypatch, tmp_path) -> None:
     names = sorted(p.name for p in dump.glob("*.py"))
     assert names == ["00_train_capture.py", "01_train_global_loss.py",
                      "02_train_spatial_parallel.py", "03_train_sync_batch_norm.py",
-                     "04_train_tensor_parallel.py", "05_train_sequence_parallel.py",
-                     "06_train_zero.py", "07_train_collective_matmul.py",
-                     "08_train_pipeline_split.py", "09_train_recompute.py",
-                     "10_train_overlap.py", "11_train_fusion.py"]
+                     "04_train_expert_parallel.py", "05_train_tensor_parallel.py",
+                     "06_train_sequence_parallel.py", "07_train_zero.py",
+                     "08_train_collective_matmul.py", "09_train_pipeline_split.py",
+                     "10_train_recompute.py", "11_train_overlap.py", "12_train_fusion.py"]
     assert "sync_batch_norm" in (dump / "03_train_sync_batch_norm.py").read_text()
     assert "sync_batch_norm" not in (dump / "02_train_spatial_parallel.py").read_text()
-    last = (dump / "05_train_sequence_parallel.py").read_text()  # tp=1: nothing to split
+    last = (dump / "06_train_sequence_parallel.py").read_text()  # tp=1: nothing to split
     assert last == (dump / "03_train_sync_batch_norm.py").read_text()
-    assert gm.print_readable(print_output=False) == (dump / "11_train_fusion.py").read_text()
+    assert gm.print_readable(print_output=False) == (dump / "12_train_fusion.py").read_text()
 
     monkeypatch.setenv("AUTOHYBRID_DISABLE_PASSES", "sync_batch_norm")
     forward = capture(models.preset("mlp-tiny"), (torch.randn(4, 16),), with_loss=False)

@@ -101,7 +101,7 @@ BAD_PLANS = [
     ("wrong version", _set("version", FORMAT_VERSION + 1), ["version", str(FORMAT_VERSION + 1)]),
     ("no version", _delete("version"), ["version"]),
     ("unknown top-level field", _set("colour", "red"), ["plan.colour"]),
-    ("unknown mesh field", _set("mesh.ep", 2), ["plan.mesh.ep"]),
+    ("unknown mesh field", _set("mesh.cp", 2), ["plan.mesh.cp"]),
     ("unknown placement field", _set("placement.0.gpu", 0), ["plan.placement[0].gpu"]),
     ("unknown prediction field", _set("predicted.memory.kv_cache", 0),
      ["plan.predicted.memory.kv_cache"]),

@@ -9,3 +9,4 @@ from . import tensor_parallel, vocab_parallel  # noqa: F401  (tensor/sequence/vo
 from . import dropout  # noqa: F401  (eager-exact dropout on tensor-parallel shards)
 from . import fused  # noqa: F401  (autohybrid::fused_region: generated kernels)
 from . import spatial  # noqa: F401  (halo exchange and tiles: spatial parallelism)
+from . import moe  # noqa: F401  (autohybrid::moe_experts: MoE experts, expert parallelism)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .collective_matmul import collective_matmul
+from .expert_parallel import expert_parallel
 from .fusion import fusion
 from .global_loss import global_loss
 from .manager import Pass, PassContext, run_passes
@@ -46,9 +47,13 @@ PASSES: tuple[PassRow, ...] = (
     PassRow("sync_batch_norm", sync_batch_norm,
             "depends only on the data-parallel axis, on the graph as captured (but for "
             "the BatchNorms on tiles)", after=("global_loss", "spatial_parallel")),
+    PassRow("expert_parallel", expert_parallel,
+            "splits each MoE layer's experts over ep (dp ranks) and dispatches their tokens "
+            "by all-to-all; before tensor_parallel, which then treats the expert slices as "
+            "the replicated weights they are over tp", after=("global_loss",)),
     PassRow("tensor_parallel", tensor_parallel,
             "splits the graph over tp; it sees the loss already a sum, so the "
-            "vocabulary-parallel loss keeps it one", after=("global_loss",)),
+            "vocabulary-parallel loss keeps it one", after=("global_loss", "expert_parallel")),
     PassRow("sequence_parallel", sequence_parallel,
             "turns tensor_parallel's f/g pairs into all-gather/reduce-scatter and slices "
             "the regions between them by sequence", after=("tensor_parallel",)),

@@ -79,7 +79,7 @@ def tensor_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         layout = _plan_layout(gm, ctx)
     rewriter = _Rewriter(gm, layout, tp, ctx.coords[2])
     rewriter.run()
-    ctx.notes["param_shards"] = rewriter.specs
+    ctx.notes["param_shards"] = {**ctx.notes.get("param_shards", {}), **rewriter.specs}
     ctx.notes["tp_layout"] = layout
     return gm
 

@@ -64,7 +64,8 @@ class Executor:
 
     def __init__(self, plan: Plan, rank: int, dp_rank: int, dp_group: dist.ProcessGroup | None,
                  state: dict[str, torch.Tensor], params: list[torch.nn.Parameter],
-                 zero: ZeroShards | None = None, scaler: LossScaler | None = None):
+                 zero: ZeroShards | None = None, scaler: LossScaler | None = None,
+                 param_groups: dict[int, dist.ProcessGroup | None] | None = None):
         self.plan, self.rank, self.dp_rank, self.dp_group = plan, rank, dp_rank, dp_group
         self.state = state
         self.params = params
@@ -78,7 +79,7 @@ class Executor:
                                    int(plan.bucket_mb * 2**20), shards=shards,
                                    reduce_dtype=reduce_dtype,
                                    all_reduce=gradient_all_reduce(plan, dp_group)
-                                   if stage == 0 else None)
+                                   if stage == 0 else None, param_groups=param_groups)
         #: pipelines: launch dp buckets while the schedule runs (off: after it)
         self.pipeline_overlap = "overlap" not in disabled_passes()
         self.last_backward_end: float | None = None

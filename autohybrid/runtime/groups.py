@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import ops
 from ..errors import AutohybridError, ClusterError
-from ..plan import AXES, Plan, spatial_groups
+from ..plan import AXES, Plan, expert_groups, spatial_groups
 from .timeouts import compile_timeout, new_group
 
 
@@ -122,7 +122,7 @@ def build_mesh(plan: Plan, device_type: str) -> DeviceMesh | None:
     for axis, group in zip(AXES, groups):
         ops.groups.bind(axis, group)
     flat = ranks.flatten().tolist()
-    for axis, rows in spatial_groups(plan.mesh).items():
+    for axis, rows in {**spatial_groups(plan.mesh), **expert_groups(plan.mesh)}.items():
         ops.groups.bind(axis, row_group([[flat[r] for r in row] for row in rows], axis))
     return mesh
 

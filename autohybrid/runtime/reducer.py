@@ -83,6 +83,10 @@ class Bucket:
     #: ZeRO-1/2: `flat` holds the whole sums, the gradients concatenated (the group sums
     #: by all-reduce: gloo), not this rank's part of the `(dp, Σc)` layout
     whole: bool = False
+    #: the group its gradients are summed over: the reducer's (`_OWN`), or another one
+    #: (`GradReducer.param_groups`: a MoE layer's expert slices, summed over "edp")
+    group: Any = None
+    own: bool = True
 
 
 @dataclass
@@ -119,18 +123,27 @@ class GradReducer:
     active: bool = False
     #: per pipeline schedule key: the counts (None: they differed over dp, no overlap)
     pipeline_counts: dict[Hashable, PipelineCounts | None] = field(default_factory=dict)
+    #: id(param) → the group its gradient is summed over instead of `group` (expert
+    #: parallelism: the ranks holding the same experts); such parameters get buckets of
+    #: their own (ZeRO 0 only)
+    param_groups: dict[int, dist.ProcessGroup | None] | None = None
 
     def __post_init__(self) -> None:
-        current: list[torch.nn.Parameter] = []
-        size = 0
+        others = self.param_groups or {}
+        if others and self.shards is not None:
+            raise RuntimeFailure("gradients summed over another group than dp do not "
+                                 "combine with ZeRO's dp shards")
+        current: dict[int | None, list[torch.nn.Parameter]] = {}
+        size: dict[int | None, int] = {}
         for p in reversed(self.params):
-            current.append(p)
-            size += p.numel() * p.element_size()
-            if size >= self.bucket_bytes:
-                self.buckets.append(Bucket(current))
-                current, size = [], 0
-        if current:
-            self.buckets.append(Bucket(current))
+            key = id(others[id(p)]) if id(p) in others else None
+            current.setdefault(key, []).append(p)
+            size[key] = size.get(key, 0) + p.numel() * p.element_size()
+            if size[key] >= self.bucket_bytes:
+                self.buckets.append(self._bucket(current.pop(key)))
+                size[key] = 0
+        for rest in current.values():
+            self.buckets.append(self._bucket(rest))
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params
                          if p.requires_grad]
@@ -148,6 +161,12 @@ class GradReducer:
         self._complete: list[bool] = []
         self._order: list[int] = []
         self._next = 0
+
+    def _bucket(self, params: list[torch.nn.Parameter]) -> Bucket:
+        others = self.param_groups or {}
+        if id(params[0]) in others:
+            return Bucket(params, group=others[id(params[0])], own=False)
+        return Bucket(params, group=self.group)
 
     @property
     def world(self) -> int:
@@ -254,7 +273,8 @@ class GradReducer:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
         if self.reduce_dtype is not None:
             grads = [g.to(self.reduce_dtype) for g in grads]
-        if self.shards is None and self.world == 1 and self.reduce_dtype is None:
+        world = 1 if bucket.group is None else dist.get_world_size(bucket.group)
+        if self.shards is None and world == 1 and self.reduce_dtype is None:
             bucket.flat = _IN_PLACE   # nothing to sum: `finish` scales the grads in place
         elif self.shards is None:
             flat = [g.reshape(-1) for g in grads]
@@ -264,9 +284,10 @@ class GradReducer:
                     or store.device != flat[0].device:
                 store = bucket.store = flat[0].new_empty(numel)
             bucket.flat = torch.cat(flat, out=store)
-            if self.world > 1:
-                bucket.work = (self.all_reduce.start(bucket.flat) if self.all_reduce is not None
-                               else dist.all_reduce(bucket.flat, group=self.group,
+            if world > 1:
+                bucket.work = (self.all_reduce.start(bucket.flat)
+                               if self.all_reduce is not None and bucket.own
+                               else dist.all_reduce(bucket.flat, group=bucket.group,
                                                     async_op=True))
         # ZeRO-1/2 (below): a fresh buffer, no whole-gradient bytes kept between steps
         elif self.world > 1 and sums_by_all_reduce(self.group):

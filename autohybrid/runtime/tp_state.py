@@ -1,11 +1,13 @@
-"""This rank's shards of the parameters tensor parallelism splits, and their gathering.
+"""This rank's shards of the parameters tensor and expert parallelism split, and their
+gathering.
 
-The tensor_parallel pass says how each split parameter is cut (`ShardSpec`, in
-`RankProgram.param_shards`, autohybrid/program.py). `ShardedParameters` makes this rank's shard of each one a new
-Parameter (the optimizer steps these), puts it in the program's state under the
-parameter's canonical name (tied parameters share the shard), and gathers shards back
-over the tp group into full tensors for `full_state_dict`, `full_grads` and the global
-gradient norm. Parameters the tp axis does not split stay the model's own.
+The tensor_parallel and expert_parallel passes say how each split parameter is cut
+(`ShardSpec`, in `RankProgram.param_shards`, autohybrid/program.py), over which mesh axis
+(`ShardSpec.axis`: "tp", or "ep" for a MoE layer's experts). `ShardedParameters` makes
+this rank's shard of each one a new Parameter (the optimizer steps these), puts it in the
+program's state under the parameter's canonical name (tied parameters share the shard),
+and gathers shards back over the axis's group into full tensors for `full_state_dict`,
+`full_grads` and the global gradient norm. Parameters no axis splits stay the model's own.
 """
 from __future__ import annotations
 
@@ -20,10 +22,11 @@ from ..program import ShardSpec
 
 class ShardedParameters:
     def __init__(self, model: nn.Module, specs: dict[str, ShardSpec],
-                 group: dist.ProcessGroup | None, tp: int, materialize=None):
-        """`materialize(name, spec)`: this rank's shard of a meta model's parameter
+                 groups: dict[str, tuple[dist.ProcessGroup | None, int]], materialize=None):
+        """`groups`: mesh axis → (its group, its size) for every axis of `specs`;
+        `materialize(name, spec)`: this rank's shard of a meta model's parameter
         (sharded materialization), or None to leave it unallocated (meta)."""
-        self.specs, self.group, self.tp = dict(specs), group, tp
+        self.specs, self.groups = dict(specs), dict(groups)
         self.local: dict[str, nn.Parameter] = {}
         canonical = {id(p): name for name, p in model.named_parameters()}
         self.alias = {key: canonical[id(p)]
@@ -62,11 +65,12 @@ class ShardedParameters:
         """The whole parameter (or gradient) `name` from every rank's `local` shard."""
         spec = self.specs[name]
         local = local.detach().contiguous()
-        if self.group is None or self.tp == 1:
+        group, size = self.groups[spec.axis]
+        if group is None or size == 1:
             return spec.gather([local])
-        parts = [torch.empty_like(local) for _ in range(self.tp)]
-        dist.all_gather(parts, local, group=self.group)
-        step = self.tp // spec.ways  # ranks holding the same shard index (kv replicas)
+        parts = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(parts, local, group=group)
+        step = size // spec.ways  # ranks holding the same shard index (kv replicas)
         return spec.gather([parts[i * step] for i in range(spec.ways)])
 
     def full_state(self, model: nn.Module,
@@ -107,19 +111,24 @@ class ShardedParameters:
     def squared_norm(self, squares: dict[str, torch.Tensor],
                      weights: dict[str, float] | None = None) -> torch.Tensor:
         """Σ g² over the whole model from each parameter's local Σ g² (`squares`, by
-        canonical name): shards summed over the tp group (kv replicas counted once), the
-        rest once (every tp rank holds the same); each term times `weights[name]`
-        (default 1)."""
+        canonical name): shards summed over their axis's group (kv replicas counted
+        once), the rest once (every rank of those axes holds the same); each term times
+        `weights[name]` (default 1)."""
         weights = weights or {}
-        split = torch.zeros((), dtype=torch.float64, device=comm_device(self.group))
-        whole = torch.zeros((), dtype=torch.float64, device=split.device)
+        device = comm_device(next(iter(self.groups.values()))[0] if self.groups else None)
+        split = {axis: torch.zeros((), dtype=torch.float64, device=device)
+                 for axis in sorted(self.groups)}
+        whole = torch.zeros((), dtype=torch.float64, device=device)
         for name, sq in squares.items():
             sq = sq * weights.get(name, 1.0)
             if name in self.specs:
                 spec = self.specs[name]
-                split = split + sq * spec.ways / self.tp
+                split[spec.axis] = split[spec.axis] + sq * spec.ways / self.groups[spec.axis][1]
             else:
                 whole = whole + sq
-        if self.group is not None and self.tp > 1:
-            dist.all_reduce(split, group=self.group)
-        return split + whole
+        for axis, part in split.items():   # every rank, in the same (sorted) order
+            group, size = self.groups[axis]
+            if group is not None and size > 1:
+                dist.all_reduce(part, group=group)
+            whole = whole + part
+        return whole

@@ -308,12 +308,33 @@ def _layouts(profile: ModelProfile, cluster, request: PlanRequest,
                     skipped.append(f"collective_matmul=True needs tp > 1 with sp (tp={tp}, "
                                    f"sp={sp})")
                     continue
-                mesh = Mesh(pp=pp, dp=dp, tp=tp, sp=sp, spatial=tiles)
-                for micro in _microbatch_sizes(local, pinned, skipped):
-                    count = local // micro
-                    for schedule, virtual in _schedules(pp, count, blocks, pinned, skipped):
-                        yield Layout(mesh, micro, count, schedule, virtual, "none", 0, bucket,
-                                     collective_matmul=pinned.collective_matmul)
+                for ep in _ep_degrees(profile, dp, tiles, pinned, skipped):
+                    mesh = Mesh(pp=pp, dp=dp, tp=tp, sp=sp, spatial=tiles, ep=ep)
+                    for micro in _microbatch_sizes(local, pinned, skipped):
+                        count = local // micro
+                        for schedule, virtual in _schedules(pp, count, blocks, pinned,
+                                                            skipped):
+                            yield Layout(mesh, micro, count, schedule, virtual, "none", 0,
+                                         bucket, collective_matmul=pinned.collective_matmul)
+
+
+def _ep_degrees(profile: ModelProfile, dp: int, tiles: tuple[int, ...], pinned: Constraints,
+                skipped: list[str]) -> list[int]:
+    """Expert-parallel degrees for a mesh with `dp` data-parallel ranks: the pinned one when
+    it fits, else 1."""
+    experts = profile.experts
+    if pinned.ep is not None:
+        problem = (None if pinned.ep == 1 else
+                   "the model has no MoE layer (autohybrid::moe_experts)" if not experts else
+                   f"dp={dp} is not a multiple of it" if dp % pinned.ep else
+                   "spatial tiles use the mesh" if tiles else
+                   f"MoE layers have {sorted(set(experts))} experts" if any(
+                       e % pinned.ep for e in experts) else None)
+        if problem:
+            skipped.append(f"ep={pinned.ep}: {problem}")
+            return []
+        return [pinned.ep]
+    return [1]
 
 
 def _spatial_axes(cluster, pinned: Constraints,

@@ -16,7 +16,7 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ..cost.compute import (MATMUL_OPS, _tensors, bytes_moved, extra_saved_bytes,
+from ..cost.compute import (MATMUL_OPS, MOE_EXPERTS, _tensors, bytes_moved, extra_saved_bytes,
                             forward_flops, nbytes_expr,
                             grad_nodes, numel_expr, saved_nodes, sym_expr)
 from ..graph import AH_PARAM, AH_ROLE, VAL, VIEW_OPS, op_name
@@ -101,6 +101,7 @@ class ModelProfile:
     heads: int | None             # attention heads, for tp divisibility (None: no attention)
     kv_heads: int | None
     vocab: int | None = None      # vocabulary of the vocabulary-parallel layers
+    experts: tuple[int, ...] = ()  # experts of each MoE layer (autohybrid::moe_experts)
 
     def local_params(self, layers: list[LayerProfile], tp: int) -> float:
         return local_params(layers, tp, self.kv_heads, self.vocab)
@@ -164,7 +165,9 @@ def profile(gm: fx.GraphModule, dim_roles: dict[sympy.Symbol, str],
     unique = {n.meta.get(AH_PARAM, n.name): n.meta[VAL].numel() for n in gm.graph.nodes
               if n.op == "placeholder" and n.meta.get(AH_ROLE) == "param"}
     heads, kv_heads = _heads(gm)
-    return ModelProfile(layers, layout, sum(unique.values()), heads, kv_heads, layout.vocab)
+    experts = tuple(int(n.args[5]) for n in gm.graph.nodes if op_name(n) == MOE_EXPERTS)
+    return ModelProfile(layers, layout, sum(unique.values()), heads, kv_heads, layout.vocab,
+                        experts)
 
 
 def has_sequence_region(gm: fx.GraphModule, layout: TensorParallelLayout,

@@ -1,0 +1,80 @@
+"""MoE models train like single-process eager under expert parallelism and its hybrids.
+
+The zoo's moe-tiny (4 experts, top-2, a shared expert, the per-sequence balance loss in
+the loss) compiled for 2 and 4 gloo ranks, each plan trained beside an eager copy on the
+same global batches: losses, gathered gradients and parameters after every step
+(tests/_equiv.py), under SGD and AdamW. Plans: ep=2 (with microbatches), ep=4, ep=2 × dp
+(experts replicated on two ranks each, their gradients summed over those), ep × tp (with
+and without sequence parallelism), ep × pp; and, for reference, dp, tp and pp without
+ep. Every ep plan is checked to hold E/ep experts per rank (its expert weights are
+slices), so a plan that quietly fell back to replicated experts fails. The routing of
+the tiny model is uneven per expert (checked); extreme routing (every token to one
+rank's experts, none to the others) is covered by tests/test_moe_ops.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autohybrid as ah
+from _equiv import OPTIMIZERS, Failures, train_and_compare, zoo_batches
+from _limits import guard
+from _pool import launch as pool_launch
+from autohybrid.models.spec import zoo_loss
+
+EXPERTS = 4
+
+
+def _uneven_routing(model, ids) -> bool:
+    """Whether the first MoE layer routes the batch unevenly over its experts."""
+    counts = []
+    moe = model.blocks[0].mlp
+    hook = moe.experts.register_forward_pre_hook(
+        lambda m, args: counts.append(torch.bincount(args[1].reshape(-1), minlength=EXPERTS)))
+    with torch.no_grad():
+        model(ids)
+    hook.remove()
+    return len(set(counts[0].tolist())) > 1
+
+
+def _rank(rank: int, world: int, cases: list[tuple[dict, str]]) -> Failures:
+    fails = Failures()
+    for pinned, optimizer in cases:
+        name = f"{pinned} {optimizer}"
+        torch.manual_seed(0)
+        model = ah.models.preset("moe-tiny").double()
+        batches = zoo_batches("moe-tiny", 8, steps=2)
+        fails.check(f"{name}: routing is even", _uneven_routing(model, batches[0][0][0]))
+        compiled, _ = train_and_compare(fails, name, model, batches, world, loss_fn=zoo_loss,
+                                        optimizer=OPTIMIZERS[optimizer],
+                                        constraints=ah.Constraints(**pinned))
+        ep = pinned.get("ep", 1)
+        fails.check(f"{name}: mesh {compiled.plan.mesh}", compiled.plan.mesh.ep == ep)
+        if ep > 1:
+            local = {n: p for n, p in compiled.sharded.local.items()
+                     if compiled.sharded.specs[n].axis == "ep"}
+            fails.check(f"{name}: expert slices {[tuple(p.shape) for p in local.values()]}",
+                        len(local) == 4 and all(p.shape[0] == EXPERTS // ep
+                                                for p in local.values()))
+    return fails
+
+
+def _run(world: int, cases: list[tuple[dict, str]]) -> None:
+    results = pool_launch(_rank, world, args=(world, cases), timeout_s=guard(200))
+    assert results == [[]] * world, "\n".join(line for r in results for line in r)
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_two_ranks():
+    _run(2, [(dict(dp=2, ep=2), "sgd"), (dict(dp=2, ep=2), "adamw"),
+             (dict(dp=2, ep=2, num_microbatches=2), "sgd"),
+             (dict(dp=2), "sgd"), (dict(tp=2), "sgd"), (dict(pp=2, num_microbatches=2), "sgd")])
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_four_ranks():
+    _run(4, [(dict(dp=4, ep=4), "adamw"), (dict(dp=4, ep=2), "sgd"),
+             (dict(dp=2, ep=2, tp=2), "adamw"), (dict(dp=2, ep=2, tp=2, sp=False), "sgd"),
+             (dict(pp=2, dp=2, ep=2, num_microbatches=2), "adamw")])

@@ -1,0 +1,133 @@
+"""The MoE zoo model and Hugging Face MoE experts in capture (process-free).
+
+- the zoo's MoE decoder: presets at published sizes (parameter counts of Mixtral 8×7B and
+  DeepSeek-V3), its experts initialized, its balance loss per sequence;
+- its captured graph holds one `autohybrid::moe_experts` per MoE layer and is proven
+  per-sample, balance loss included: the shards of any split of the batch add up to
+  eager's loss (what data and expert parallelism and microbatches need); also captured
+  on the meta device (planning at scale);
+- Hugging Face Mixtral and Qwen2-MoE experts are captured as the op whatever experts
+  implementation the model was built with, and the model's setting is restored; experts
+  the op cannot compute are left alone, with the reason.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+import autohybrid as ah
+from autohybrid import capture_moe
+from autohybrid.capture import capture
+from autohybrid.models import coverage
+from autohybrid.models.moe import moe_loss
+from autohybrid.passes import PassContext, run_passes
+from autohybrid.passes.global_loss import global_loss
+from autohybrid.plan import Mesh, Plan, RankPlacement
+
+MOE_OP = "autohybrid.moe_experts.default"
+
+
+def _op_nodes(gm) -> list:
+    return [n for n in gm.graph.nodes if str(n.target) == MOE_OP]
+
+
+def _tiny(**overrides):
+    torch.manual_seed(0)
+    return ah.models.preset("moe-tiny", **overrides).double()
+
+
+def test_presets_have_the_published_sizes():
+    sizes = {name: sum(p.numel() for p in ah.models.preset(name, device="meta").parameters())
+             for name in ("mixtral-8x7b", "mixtral-8x22b", "deepseek-v3-style")}
+    assert round(sizes["mixtral-8x7b"] / 1e9, 1) == 46.7        # Mistral AI: 46.7B
+    assert round(sizes["mixtral-8x22b"] / 1e9) == 141           # Mistral AI: 141B
+    assert 660e9 < sizes["deepseek-v3-style"] < 690e9           # DeepSeek-V3: 671B (MLA)
+
+
+def test_experts_are_initialized_and_the_balance_loss_is_per_sequence():
+    model = _tiny()
+    experts = model.blocks[0].mlp.experts
+    for w in (experts.gate_up_proj, experts.down_proj):
+        assert torch.isfinite(w).all() and 0.015 < float(w.std()) < 0.025
+    (ids,), targets = ah.models.example_batch("moe-tiny", 6)
+    logits, aux = model(ids)
+    assert aux.shape == (6,) and (aux > 0).all()
+    for b in range(6):       # a sequence's balance loss does not depend on the others
+        _, alone = model(ids[b:b + 1])
+        torch.testing.assert_close(alone, aux[b:b + 1], rtol=1e-12, atol=1e-14)
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, 96), targets.reshape(-1))
+    torch.testing.assert_close(moe_loss((logits, aux), targets), ce + aux.mean())
+    assert isinstance(_tiny(aux_loss_coef=0.0)(ids), torch.Tensor)
+
+
+def _plan(dp: int, count: int) -> Plan:
+    return Plan(model_hash="test", cluster="test", cluster_hash="test", mesh=Mesh(dp=dp),
+                placement=tuple(RankPlacement(rank=r, node=0, device=r) for r in range(dp)),
+                global_batch=dp * count * 2, microbatch_size=2, num_microbatches=count)
+
+
+def test_captured_graph_splits_over_the_batch_like_eager():
+    model = _tiny(shared=1, score="sigmoid", routed_scale=2.0)
+    (ids,), targets = ah.models.example_batch("moe-tiny", 8, seed=3)
+    cap = capture(model, (ids[:4],), moe_loss, targets[:4])
+    assert len(_op_nodes(cap.gm)) == 2
+    rewritten = None
+    for dp, count in [(2, 1), (1, 2), (2, 2)]:
+        plan = _plan(dp, count)
+        ctx = PassContext(plan=plan, rank=0, coords=plan.mesh.coords(0), graph_kind="train")
+        ctx.notes["loss_output_index"] = cap.user_outputs[0]
+        rewritten = run_passes(cap.gm, ctx, [("global_loss", global_loss)])
+        assert ctx.notes["loss_kind"] == "mean"
+    outputs = [*cap.user_outputs, len(cap.mutated_buffers) + len(cap.user_outputs)]
+    program = dataclasses.replace(cap, gm=rewritten, user_outputs=outputs)
+    state = cap.default_state(model)
+    want = moe_loss(copy.deepcopy(model)(ids), targets).detach()
+    for split in ([slice(0, 8)], [slice(0, 3), slice(3, 8)], [slice(0, 1), slice(1, 6),
+                                                               slice(6, 8)]):
+        parts = [program.run(state, (ids[s],), (targets[s],)) for s in split]
+        got = sum(n for n, _ in parts) / sum(d for _, d in parts)
+        torch.testing.assert_close(got.detach(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_captures_on_the_meta_device():
+    model = ah.models.preset("moe-tiny", device="meta", layers=3)
+    (ids,), targets = ah.models.example_batch("moe-tiny", 4, device="meta")
+    cap = capture(model, (ids,), moe_loss, targets)
+    assert len(_op_nodes(cap.gm)) == 3
+
+
+needs_hf = pytest.mark.skipif(not coverage.have_transformers(), reason="transformers")
+
+
+@needs_hf
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_hugging_face_experts_are_captured_as_the_op(name):
+    case = coverage._hf_case(name)
+    model = case.model.double()
+    inputs, targets = case.batches[0]
+    before = model.config._experts_implementation
+    assert capture_moe.skipped(model) == {}
+    cap = capture(model, inputs, None, targets)
+    assert len(_op_nodes(cap.gm)) == model.config.num_hidden_layers
+    assert model.config._experts_implementation == before       # restored
+    ids = inputs[0]
+    torch.testing.assert_close(cap.run(cap.default_state(model), (ids,), (targets,)),
+                               model(ids, labels=targets).loss)
+
+
+@needs_hf
+def test_experts_the_op_cannot_compute_are_left_as_they_are():
+    case = coverage._hf_case("mixtral")
+    model = case.model.double()
+    inputs, targets = case.batches[0]
+    first = model.model.layers[0].mlp.experts
+    first.has_bias = True                # as if its projections had biases
+    assert capture_moe.skipped(model) == {
+        "model.layers.0.mlp.experts": "its projections have biases"}
+    with capture_moe.routed_experts(model) as routed:
+        # both layers read one config: switching it would route the biased one too
+        assert routed == 0
+        assert model.config._experts_implementation == "batched_mm"
