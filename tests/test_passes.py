@@ -499,10 +499,10 @@ def test_debug_dumps_plan_and_one_graph_per_pass(monkeypatch, tmp_path) -> None:
     run_passes(forward.gm, ctx, passes_for("forward"))
     assert sorted(p.name for p in (tmp_path / "rank0").glob("*.py")) == [
         "00_forward_capture.py", "01_forward_spatial_parallel.py",
-        "03_forward_tensor_parallel.py", "04_forward_sequence_parallel.py",
-        "05_forward_zero.py", "06_forward_collective_matmul.py",
-        "07_forward_pipeline_split.py", "08_forward_recompute.py", "09_forward_overlap.py",
-        "10_forward_fusion.py"]  # 02: off
+        "03_forward_expert_parallel.py", "04_forward_tensor_parallel.py",
+        "05_forward_sequence_parallel.py", "06_forward_zero.py",
+        "07_forward_collective_matmul.py", "08_forward_pipeline_split.py",
+        "09_forward_recompute.py", "10_forward_overlap.py", "11_forward_fusion.py"]  # 02: off
 
 
 @pytest.mark.timeout(60)
