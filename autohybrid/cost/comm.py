@@ -77,7 +77,25 @@ def reduce_scatter(cluster: _Cluster, ranks: Sequence[int], nbytes: float) -> fl
 
 
 def all_to_all(cluster: _Cluster, ranks: Sequence[int], nbytes: float) -> float:
-    return _ring(cluster, ranks, nbytes, "all_to_all")
+    """One rank's all-to-all of `nbytes` (what it holds before the exchange, an equal part
+    per rank of `ranks`): p − 1 pairwise messages, (p − 1)/p of the bytes leaving. Where
+    the ranks span nodes, the parts for ranks on other nodes cross the network (each
+    rank's NIC, shared as `link_for` says) while the parts for its own node's ranks move
+    over the in-node link at the same time: the slower of the two. (Expert parallelism's
+    dispatch and combine: ops/moe.py.)"""
+    p = len(ranks)
+    if p <= 1 or nbytes <= 0:
+        return 0.0
+    nodes = _by_node(cluster, ranks)
+    if nodes is None:
+        alpha, beta = _link(cluster, ranks, "all_to_all")
+        return (p - 1) * alpha + (p - 1) / p * nbytes * beta
+    local = len(nodes[0])
+    alpha_in, beta_in = _link(cluster, nodes[0], "all_to_all")
+    alpha_out, beta_out = _link(cluster, ranks, "all_to_all")
+    inside = (local - 1) * alpha_in + (local - 1) / p * nbytes * beta_in
+    across = (p - local) * alpha_out + (p - local) / p * nbytes * beta_out
+    return max(inside, across)
 
 
 def ring_latency(cluster: _Cluster, ranks: Sequence[int], kind: str = "all_gather") -> float:

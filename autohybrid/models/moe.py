@@ -72,8 +72,7 @@ class MoE(nn.Module):
         self.shared = SwiGLU(hidden, shared * expert_hidden, dd) if shared else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        b, t, h = x.shape
-        flat = x.reshape(b * t, h)
+        flat = x.flatten(0, 1)   # (no arithmetic on sizes: blocks capture alike)
         logits = self.router(flat).float()
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
         top, index = torch.topk(scores, self.top_k, dim=-1)
@@ -82,23 +81,22 @@ class MoE(nn.Module):
         y = self.experts(flat, index, top * self.routed_scale)
         if self.shared is not None:
             y = y + self.shared(flat)
-        return y.view(b, t, h), self._balance(index, scores, b, t)
+        return y.view_as(x), self._balance(index, scores, x.shape[0])
 
-    def _balance(self, index: torch.Tensor, scores: torch.Tensor, b: int, t: int
-                 ) -> torch.Tensor:
+    def _balance(self, index: torch.Tensor, scores: torch.Tensor, b: int) -> torch.Tensor:
         n = scores.shape[-1]
         if not self.aux_loss_coef:
             return scores.new_zeros(b)
         experts = torch.arange(n, device=index.device)
-        routes = (index.view(b, t * self.top_k, 1) == experts).sum(1).to(scores.dtype)
-        f = routes * (n / (self.top_k * t))
-        p = (scores / scores.sum(-1, keepdim=True)).view(b, t, n).mean(1)
+        # f_i = E/(k·T) · routes to i = E · the share of the sequence's T·k routes
+        f = (index.view(b, -1, 1) == experts).to(scores.dtype).mean(1) * n
+        p = (scores / scores.sum(-1, keepdim=True)).view(b, -1, n).mean(1)
         return self.aux_loss_coef * (f * p).sum(-1)
 
 
 class MoEBlock(nn.Module):
     """``x + attn(attn_norm(x))``, then ``x + mlp(mlp_norm(x))``, the MLP a MoE layer (or
-    a dense SwiGLU); returns ``(x, aux)``."""
+    a dense SwiGLU)."""
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, rope_theta: float,
                  norm_eps: float, mlp: nn.Module, dd: dict[str, Any]):
@@ -108,12 +106,14 @@ class MoEBlock(nn.Module):
         self.mlp_norm = RMSNorm(hidden, eps=norm_eps, **dd)
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, the balance loss so far) → both after this block (the sum is carried
+        through the blocks, so no op runs between them: capture per distinct block)."""
         x = x + self.attn(self.attn_norm(x))
         if isinstance(self.mlp, MoE):
-            y, aux = self.mlp(self.mlp_norm(x))
-            return x + y, aux
-        return x + self.mlp(self.mlp_norm(x)), None
+            y, balance = self.mlp(self.mlp_norm(x))
+            return x + y, aux + balance
+        return x + self.mlp(self.mlp_norm(x)), aux
 
 
 class MoETransformer(nn.Module):
@@ -160,13 +160,11 @@ class MoETransformer(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         x = self.tok_emb(idx)
-        aux = None
+        aux = x.new_zeros(idx.shape[0], dtype=torch.float32)
         for block in self.blocks:
-            x, a = block(x)
-            if a is not None:
-                aux = a if aux is None else aux + a
+            x, aux = block(x, aux)
         logits = self.lm_head(self.norm(x))
-        if not self.config["aux_loss_coef"] or aux is None:
+        if not self.config["aux_loss_coef"] or self.config["dense_layers"] == len(self.blocks):
             return logits
         return logits, aux
 

@@ -321,7 +321,8 @@ def _layouts(profile: ModelProfile, cluster, request: PlanRequest,
 def _ep_degrees(profile: ModelProfile, dp: int, tiles: tuple[int, ...], pinned: Constraints,
                 skipped: list[str]) -> list[int]:
     """Expert-parallel degrees for a mesh with `dp` data-parallel ranks: the pinned one when
-    it fits, else 1."""
+    it fits, else 1 and every divisor of dp dividing every MoE layer's experts (their
+    all-to-alls, expert slices and gradient sums are priced: search/pricing.py)."""
     experts = profile.experts
     if pinned.ep is not None:
         problem = (None if pinned.ep == 1 else
@@ -334,7 +335,9 @@ def _ep_degrees(profile: ModelProfile, dp: int, tiles: tuple[int, ...], pinned: 
             skipped.append(f"ep={pinned.ep}: {problem}")
             return []
         return [pinned.ep]
-    return [1]
+    if not experts or tiles:
+        return [1]
+    return [ep for ep in divisors(dp) if all(e % ep == 0 for e in experts)]
 
 
 def _spatial_axes(cluster, pinned: Constraints,
@@ -464,6 +467,8 @@ def _variants(base: Layout, pinned: Constraints, cluster) -> Iterator[Iterator[L
         zeros = [0]  # nothing to shard the state over
     if pinned.collective_algorithm not in (None, "flat"):
         zeros = [0]  # (Constraints refuses it with a pinned zero > 0)
+    if base.mesh.ep > 1 and pinned.zero is None:
+        zeros = [0]  # expert slices are not cut into ZeRO shards (passes/expert_parallel.py)
     for zero in zeros:
         for algorithm in _algorithms(base, pinned, cluster, zero):
             yield _levels(base, recomputes, zero, algorithm)

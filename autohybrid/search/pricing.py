@@ -28,8 +28,8 @@ from ..cost import comm
 from ..cost.compute import MATMUL_EFFICIENCY, MEMORY_EFFICIENCY
 from ..cost.gemm import utilization
 from ..cost.memory import dtype_bytes, training_state, usable_bytes
-from ..plan import (MemoryBreakdown, Mesh, Prediction, spatial_groups, spatial_stats_axis,
-                    stage_ranks)
+from ..plan import (MemoryBreakdown, Mesh, Prediction, expert_groups, spatial_groups,
+                    spatial_stats_axis, stage_ranks)
 from .layers import gather_groups, is_block
 from .space import LayerProfile, ModelProfile, split_ways
 from .stages import partition
@@ -216,6 +216,13 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
             tp_comm = chunked
         else:
             chunks = 0
+    if mesh.ep > 1 and v["moe_routed"]:
+        # each MoE layer's dispatch and combine, forward and backward: four all-to-alls
+        # of its routed rows over the ep ranks (tokens on sequence slices under sp; full
+        # recomputation runs the forward's two again), exposed as tp's collectives are
+        a2a = comm.all_to_all(cluster, axis_ranks(mesh, "ep"),
+                              v["moe_routed"] * replicated_share * scale)
+        tp_comm += (6 if full else 4) * a2a
     saved = (v["saved_sharded"] / t + v["saved_replicated"] * replicated_share) * scale
     if layout.recompute == "selective":
         saved -= v["attention_saved"] / t * scale
@@ -258,9 +265,12 @@ def _tiling(mesh: Mesh) -> tuple:
 def axis_ranks(mesh: Mesh, axis: str) -> tuple[int, ...]:
     """The mesh ranks of rank 0's group on `axis`: "tp" (ranks 0 … tp − 1), or one of
     the axes spatial tiles add (plan.spatial_groups: tile rows and columns, dp × tp),
-    or "stats": whichever of "tp" and "dp_tp" BatchNorm's statistics span."""
+    "ep" / "edp" (plan.expert_groups), or "stats": whichever of "tp" and "dp_tp"
+    BatchNorm's statistics span."""
     if axis == "tp":
         return tuple(range(mesh.tp))
+    if axis in ("ep", "edp"):
+        return tuple(next(g for g in expert_groups(mesh)[axis] if 0 in g))
     if axis == "stats":   # BatchNorm's statistics under spatial tiles: tiles and dp
         axis = spatial_stats_axis(mesh)
         if axis == "tp":
@@ -451,7 +461,8 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
         cache["links"] = LinkCache(cluster)
     cluster = cache["links"]
     mesh = layout.mesh
-    shape = (layout.microbatch_size, mesh.tp, mesh.sp, layout.recompute, *_tiling(mesh))
+    shape = (layout.microbatch_size, mesh.tp, mesh.sp, layout.recompute, mesh.ep,
+             *_tiling(mesh))
     every = ("times", *shape, layout.collective_matmul)
     if every not in cache:
         times = []
@@ -531,7 +542,8 @@ def memory_per_pp_rank(profile: ModelProfile, cluster, layout: Layout, seq: int 
     cache: dict = {}
     links = LinkCache(cluster)
     mesh = layout.mesh
-    shape = (layout.microbatch_size, mesh.tp, mesh.sp, layout.recompute, *_tiling(mesh))
+    shape = (layout.microbatch_size, mesh.tp, mesh.sp, layout.recompute, mesh.ep,
+             *_tiling(mesh))
     by_signature: dict = {}  # identical layers (a model's repeated blocks) priced once
     for layer in profile.layers:
         if layer.signature not in by_signature:
@@ -567,8 +579,8 @@ def _held(profile: ModelProfile, stages: Split, shape: tuple, cache: dict,
           gather_limit: float = 0.0, width: int = 4) -> Held:
     key = ("held", stages.starts, stages.placement, *shape, gather_limit, width)
     if key not in cache:
-        tp = shape[1]
-        per_rank = [_rank_params(profile, spans, tp, cache, gather_limit, width)
+        tp, ep = shape[1], shape[4]
+        per_rank = [_rank_params(profile, spans, tp, cache, gather_limit, width, ep)
                     for spans in stages.ranges]
         params = tuple(local for local, _, _ in per_rank)
         first: dict[tuple, int] = {}
@@ -581,25 +593,25 @@ def _held(profile: ModelProfile, stages: Split, shape: tuple, cache: dict,
 
 def _rank_params(profile: ModelProfile, ranges: tuple[tuple[int, int], ...], tp: int,
                  cache: dict, gather_limit: float = 0.0,
-                 width: int = 4) -> tuple[float, int, int]:
+                 width: int = 4, ep: int = 1) -> tuple[float, int, int]:
     """(parameters one tp rank of a pp rank holds, its parameter tensors, its ZeRO-3
     gathers) for the stages in `ranges`: a parameter tied between two stages of the rank
     is held once; the gathers are `layers.gather_groups` of its layers that read
     parameters (`width` bytes each), as passes/zero.py places them."""
-    key = ("params", ranges, tp, gather_limit, width)
+    key = ("params", ranges, tp, gather_limit, width, ep)
     if key not in cache:
         # the parameter count depends on neither the gather limit nor the width: shared
-        held = ("held params", ranges, tp)
+        held = ("held params", ranges, tp, ep)
         if held not in cache:
             layers = [layer for first, end in ranges for layer in profile.layers[first:end]]
             names = {name for layer in layers for name, _, _ in layer.params}
-            cache[held] = (profile.local_params(layers, tp), len(names))
+            cache[held] = (profile.local_params(layers, tp, ep), len(names))
         gathers = 0
         if gather_limit:
             sizes, starts = [], []
             for first, end in ranges:
                 reading = [i for i in range(first, end) if profile.layers[i].params]
-                sizes += [_layer_params(profile, i, tp, cache) * width for i in reading]
+                sizes += [_layer_params(profile, i, tp, cache, ep) * width for i in reading]
                 starts += [i == 0 for i in range(len(reading))]
             gathers = len(gather_groups(sizes, starts, gather_limit))
         else:  # no limit: one gather per layer that reads parameters
@@ -609,11 +621,12 @@ def _rank_params(profile: ModelProfile, ranges: tuple[tuple[int, int], ...], tp:
     return cache[key]
 
 
-def _layer_params(profile: ModelProfile, index: int, tp: int, cache: dict) -> float:
-    """Parameters one tp rank holds of layer `index` (memoized per tp)."""
-    key = ("layer params", index, tp)
+def _layer_params(profile: ModelProfile, index: int, tp: int, cache: dict,
+                  ep: int = 1) -> float:
+    """Parameters one tp (and ep) rank holds of layer `index` (memoized per tp, ep)."""
+    key = ("layer params", index, tp, ep)
     if key not in cache:
-        cache[key] = profile.local_params([profile.layers[index]], tp)
+        cache[key] = profile.local_params([profile.layers[index]], tp, ep)
     return cache[key]
 
 

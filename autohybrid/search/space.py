@@ -29,7 +29,7 @@ from .tp_choice import Rates, choose_layout
 FIELDS = ("mm_sharded", "mm_replicated", "other_sharded", "other_replicated",
           "bytes_sharded", "bytes_replicated", "saved_sharded", "saved_replicated",
           "attention_flops", "attention_saved", "attention_scores", "input_bytes", "mm_kv",
-          "mm_vocab")
+          "mm_vocab", "moe_routed")
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,12 @@ class LayerProfile:
 
 
 def split_ways(split: str, tp: int, kv_heads: int | None = None,
-               vocab: int | None = None) -> float:
-    """Over how many tp ranks a value marked `split` ("tp", "kv", "vocab", "none") is
-    divided: its size over the size one rank holds."""
+               vocab: int | None = None, ep: int = 1) -> float:
+    """Over how many ranks a value marked `split` ("tp", "kv", "vocab", "none"; "expert":
+    a MoE layer's expert weights, split over ep) is divided: its size over the size one
+    rank holds."""
+    if split == "expert":
+        return ep
     if split == "kv" and kv_heads:
         return min(tp, kv_heads)  # more ranks than KV heads: KV heads are replicated
     if split == "vocab" and vocab:
@@ -82,11 +85,12 @@ def split_ways(split: str, tp: int, kv_heads: int | None = None,
 
 
 def local_params(layers: list[LayerProfile], tp: int, kv_heads: int | None = None,
-                 vocab: int | None = None) -> float:
-    """Parameters one tp rank holds for `layers` (a tied parameter counted once; padded
-    vocabulary rows counted)."""
+                 vocab: int | None = None, ep: int = 1) -> float:
+    """Parameters one tp (and ep) rank holds for `layers` (a tied parameter counted once;
+    padded vocabulary rows counted)."""
     unique = {name: (count, split) for layer in layers for name, count, split in layer.params}
-    return sum(count / split_ways(split, tp, kv_heads, vocab) for count, split in unique.values())
+    return sum(count / split_ways(split, tp, kv_heads, vocab, ep)
+               for count, split in unique.values())
 
 
 _MATMUL_FIELDS = ("mm_sharded", "mm_kv", "mm_vocab", "mm_replicated")
@@ -103,8 +107,8 @@ class ModelProfile:
     vocab: int | None = None      # vocabulary of the vocabulary-parallel layers
     experts: tuple[int, ...] = ()  # experts of each MoE layer (autohybrid::moe_experts)
 
-    def local_params(self, layers: list[LayerProfile], tp: int) -> float:
-        return local_params(layers, tp, self.kv_heads, self.vocab)
+    def local_params(self, layers: list[LayerProfile], tp: int, ep: int = 1) -> float:
+        return local_params(layers, tp, self.kv_heads, self.vocab, ep)
 
     def tp_problem(self, tp: int) -> str | None:
         """Why the tp layout cannot split `tp` ways (None: it can)."""
@@ -185,7 +189,11 @@ def has_sequence_region(gm: fx.GraphModule, layout: TensorParallelLayout,
 
 
 def _layer_params(layer: Layer, layout: TensorParallelLayout) -> tuple[tuple[str, int, bool], ...]:
+    experts = {a for n in layer.nodes if op_name(n) == MOE_EXPERTS for a in n.args[3:5]}
+
     def split(p: fx.Node) -> str:
+        if p in experts:
+            return "expert"
         if param_key(p) in layout.kv_params:
             return "kv"
         if param_key(p) in layout.vocab_params:
@@ -225,6 +233,10 @@ def _compile_layer(layer: Layer, layout: TensorParallelLayout, subs: dict, batch
             gemms.append(Gemm(field_name, split, kind))
             shapes.extend(shape)
         sums[f"bytes_{part}"].append(bytes_moved(node))
+        if name == MOE_EXPERTS:   # the rows its all-to-alls move under expert parallelism
+            x, index = node.args[0].meta[VAL], node.args[1].meta[VAL]
+            sums["moe_routed"].append(numel_expr(index) * sym_expr(x.shape[-1])
+                                      * x.element_size())
         if name == "aten.scaled_dot_product_attention.default":
             sums["attention_flops"].append(forward_flops(node))
             q, k = node.args[0].meta[VAL], node.args[1].meta[VAL]  # (B, H, Tq, D), (B, H, Tk, D)
