@@ -78,3 +78,37 @@ def test_four_ranks():
     _run(4, [(dict(dp=4, ep=4), "adamw"), (dict(dp=4, ep=2), "sgd"),
              (dict(dp=2, ep=2, tp=2), "adamw"), (dict(dp=2, ep=2, tp=2, sp=False), "sgd"),
              (dict(pp=2, dp=2, ep=2, num_microbatches=2), "adamw")])
+
+
+def _checkpoint_rank(rank: int, directory: str) -> list[str]:
+    """Train a step under ep=2, save; load into a dp-only plan and the other way round;
+    both must then take the same next step (AdamW: its state travels too)."""
+    batches = zoo_batches("moe-tiny", 8, steps=2)
+    compiled = {}
+    for ep in (2, 1):
+        torch.manual_seed(ep)        # different starting weights: the load must replace them
+        model = ah.models.preset("moe-tiny").double()
+        compiled[ep] = ah.compile(model, ah.Cluster.local(2), batches[0][0], loss_fn=zoo_loss,
+                                  example_targets=batches[0][1], optimizer=OPTIMIZERS["adamw"],
+                                  constraints=ah.Constraints(dp=2, ep=ep))
+    problems = []
+    for source, target in ((2, 1), (1, 2)):
+        compiled[source].train_step(*batches[0])
+        path = f"{directory}/from_ep{source}"
+        compiled[source].save(path)
+        compiled[target].load(path)
+        losses = [float(compiled[e].train_step(*batches[1])) for e in (source, target)]
+        states = [compiled[e].full_state_dict() for e in (source, target)]
+        if losses[0] != losses[1]:
+            problems.append(f"ep{source} -> ep{target}: next losses {losses}")
+        problems += [f"ep{source} -> ep{target}: {k} differs after the next step"
+                     for k in states[0] if not torch.allclose(states[0][k], states[1][k],
+                                                              rtol=1e-12, atol=1e-14)]
+    return problems
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_checkpoints_move_between_expert_parallel_and_data_parallel_plans(tmp_path):
+    results = pool_launch(_checkpoint_rank, 2, args=(str(tmp_path),), timeout_s=guard(200))
+    assert results == [[], []], results
