@@ -65,7 +65,7 @@ CPU_TIMING_WINDOW_S = 0.03
 #: the window every rank computes for at once, then rank 0 alone (`Profile.alone_speedup`)
 SHARED_WINDOW_S = 0.3
 #: collectives timed in a step's context, per kind; priced by kind (cost/comm.py)
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 #: the compute between two timed collectives on CPU: (m, k, n), run twice (a layer's
 #: matmuls; about 5 ms on one core of these machines)
 CONTEXT_MATMUL = (1024, 256, 1024)
@@ -333,11 +333,14 @@ def _collective(kind: str, nbytes: int, world: int, device: torch.device,
     part = torch.zeros(numel // world, device=device)
     rank = dist.get_rank()
     peer = rank ^ 1  # send_recv: ranks in pairs, the even one sends (a pipeline's hop)
+    received = torch.zeros_like(whole) if kind == "all_to_all" else None
     run = {"all_reduce": lambda: dist.all_reduce(whole, async_op=async_op),
            "all_gather": lambda: all_gather_single(whole, part, async_op=async_op),
            # as the runtime's gradient reduce-scatters run (on gloo: an all-reduce)
            "reduce_scatter": lambda: reduce_scatter_single(part, whole, async_op=async_op,
                                                            input_scratch=True),
+           # expert parallelism's dispatch (ops/moe.py): `whole` split equally over ranks
+           "all_to_all": lambda: dist.all_to_all_single(received, whole, async_op=async_op),
            "send_recv": (lambda: None) if peer >= world else
            (lambda: dist.isend(whole, peer)) if rank % 2 == 0 else
            (lambda: dist.irecv(whole, peer))}[kind]
