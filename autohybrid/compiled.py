@@ -229,17 +229,19 @@ class CompiledModel:
             self.materializer.into_model(model, {n for n in whole
                                                  if model.get_parameter(n).is_meta})
             state.update({n: model.get_parameter(n) for n in whole if n in state})
+        trained = self._trained_params()
+        edp = (ops_groups.get("edp") if mesh is not None and plan.mesh.ep > 1 else None)
+        expert_names = [name for name, spec in (self.sharded.specs.items()
+                                                if self.sharded is not None else ())
+                        if spec.axis == "ep" and name in trained]
         if plan.zero and plan.mesh.dp > 1:
-            self.zero = ZeroShards(plan.zero, self._trained_params(), dp_group, plan.mesh.dp,
+            within = (edp, plan.mesh.dp // plan.mesh.ep, self.coords[1] // plan.mesh.ep)
+            self.zero = ZeroShards(plan.zero, trained, dp_group, plan.mesh.dp,
                                    self.coords[1], int(plan.bucket_mb * 2**20),
-                                   self._zero_shard)
+                                   self._zero_shard, {n: within for n in expert_names})
             if zero3:  # the graphs read the shards (passes/zero.py)
                 state.update(self.zero.shards)
-        trained = self._trained_params()
-        experts = ({id(trained[name]): ops_groups.get("edp")
-                    for name, spec in self.sharded.specs.items()
-                    if spec.axis == "ep" and name in trained}
-                   if self.sharded is not None and mesh is not None else None)
+        experts = {id(trained[name]): edp for name in expert_names} if edp else None
         self.executor = Executor(plan, self.rank, self.coords[1], dp_group,
                                  _full_state(model, state), list(trained.values()), self.zero,
                                  self.scaler, param_groups=experts)

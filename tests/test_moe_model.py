@@ -131,3 +131,52 @@ def test_experts_the_op_cannot_compute_are_left_as_they_are():
         # both layers read one config: switching it would route the biased one too
         assert routed == 0
         assert model.config._experts_implementation == "batched_mm"
+
+
+def _ep_context(cap, dp: int, ep: int, zero: int = 0, rank: int = 1) -> PassContext:
+    plan = dataclasses.replace(_plan(dp, 1), mesh=Mesh(dp=dp, ep=ep), zero=zero)
+    ctx = PassContext(plan=plan, rank=rank, coords=plan.mesh.coords(rank), graph_kind="train")
+    ctx.notes["loss_output_index"] = cap.user_outputs[0]
+    return ctx
+
+
+def test_expert_parallel_pass_slices_the_experts_and_names_the_axis():
+    from autohybrid.passes.expert_parallel import expert_parallel
+    model = _tiny()
+    (ids,), targets = ah.models.example_batch("moe-tiny", 4)
+    cap = capture(model, (ids,), moe_loss, targets)
+    ctx = _ep_context(cap, dp=4, ep=2, rank=3)          # dp rank 3: ep rank 1
+    gm = expert_parallel(copy.deepcopy(cap.gm), ctx)
+    nodes = _op_nodes(gm)
+    assert [n.args[7] for n in nodes] == ["ep", "ep"]
+    specs = ctx.notes["param_shards"]
+    assert sorted(specs) == sorted(f"blocks.{i}.mlp.experts.{w}" for i in range(2)
+                                   for w in ("gate_up_proj", "down_proj"))
+    assert {(s.axis, s.dim, s.ways, s.index, s.size) for s in specs.values()} == {
+        ("ep", 0, 2, 1, 4)}
+    for n in nodes:
+        assert n.args[3].meta["val"].shape == (2, 48, 32)   # 2 of 4 experts, 2·24 rows
+        assert n.args[4].meta["val"].shape == (2, 32, 24)
+
+
+@pytest.mark.parametrize("dp, ep, zero, why", [
+    (3, 3, 0, "4 experts, which do not split over ep=3"),
+    (2, 2, 3, "ZeRO-3"),
+])
+def test_expert_parallel_pass_refuses_with_a_reason(dp, ep, zero, why):
+    from autohybrid.passes.expert_parallel import expert_parallel
+    model = _tiny()
+    (ids,), targets = ah.models.example_batch("moe-tiny", 6)
+    cap = capture(model, (ids,), moe_loss, targets)
+    with pytest.raises(ah.PlanError, match=why):
+        expert_parallel(copy.deepcopy(cap.gm), _ep_context(cap, dp, ep, zero, rank=0))
+
+
+def test_expert_parallelism_of_a_model_without_experts_is_refused():
+    from autohybrid.passes.expert_parallel import expert_parallel
+    torch.manual_seed(0)
+    model = ah.models.preset("llama-tiny")
+    (ids,), targets = ah.models.example_batch("llama-tiny", 4)
+    cap = capture(model, (ids,), ah.models.spec.zoo_loss, targets)
+    with pytest.raises(ah.PlanError, match="no MoE layer"):
+        expert_parallel(copy.deepcopy(cap.gm), _ep_context(cap, 2, 2))

@@ -10,10 +10,10 @@ gathers them back for full_state_dict and checkpoints, and sums their gradients 
 
 The ep axis is made of dp ranks (plan.expert_groups), so the batch is split over it as
 data parallelism splits it; the op's output rows are its own tokens', so what follows is
-unchanged. Refused, naming the node, with a reason: a layer whose experts do not divide
-by ep, expert weights that are not parameters read by the op alone (a view, a weight
-shared with another op), and ZeRO (whose shards of the expert weights would have to be
-cut over "edp" instead of dp).
+unchanged. ZeRO-1/2 cut the expert slices' shards over "edp" (runtime/zero.py). Refused,
+naming the node, with a reason: a layer whose experts do not divide by ep, expert weights
+that are not parameters read by the op alone (a view, a weight shared with another op),
+and ZeRO-3 (passes/zero.py gathers every parameter over dp).
 
 Runs before tensor_parallel: the expert slices are replicated over tp, and tp's rules for
 replicated parameters (sequence parallelism sums their gradients over tp) then apply to
@@ -53,10 +53,10 @@ def expert_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         raise PlanError(f"mesh.ep={mesh.ep}: the graph has no MoE layer "
                         "(autohybrid::moe_experts) whose experts expert parallelism could "
                         "split; pin ep=1")
-    if ctx.plan.zero:
-        raise PlanError(f"mesh.ep={mesh.ep} with ZeRO-{ctx.plan.zero}: ZeRO's dp shards of "
-                        "the expert weights would have to be cut over the ranks holding "
-                        "the same experts; pin zero=0 with expert parallelism")
+    if ctx.plan.zero == 3:
+        raise PlanError(f"mesh.ep={mesh.ep} with ZeRO-3: its per-layer gathers of the expert "
+                        "slices would run over the ranks holding the same experts, which "
+                        "passes/zero.py does not do; pin zero ≤ 2 with expert parallelism")
     ep, index = mesh.ep, ctx.coords[1] % mesh.ep
     mode = fake_mode(gm)
     specs: dict[str, ShardSpec] = {}

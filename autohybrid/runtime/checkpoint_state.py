@@ -45,7 +45,7 @@ def param_entries(model: nn.Module, sharded: Any, zero: Any, owned: set[str] | N
         spec: ShardSpec | None = sharded.specs.get(name) if sharded is not None else None
         if zero is not None and name in zero.shards:
             local, tp_local = zero.shards[name], zero.shape[name]
-            flat = zero_range(math.prod(tp_local), zero.dp, zero.dp_rank)
+            flat = zero_range(math.prod(tp_local), zero.ways(name), zero.index(name))
         elif spec is not None:
             local, tp_local, flat = sharded.local[name], tuple(sharded.local[name].shape), None
         else:
@@ -317,7 +317,8 @@ def load_compiled(c: Any, path: Any, strict: bool) -> dict:
     if whole_params:
         with torch.no_grad():
             for name, shard in c.zero.shards.items():
-                shard.copy_(shard_of(c.zero.params[name], c.zero.dp, c.zero.dp_rank))
+                shard.copy_(shard_of(c.zero.params[name], c.zero.ways(name),
+                                     c.zero.index(name)))
     if optimizer is not None and saved_opt is not None:
         restore_hyperparameters(optimizer, saved_opt["param_groups"])
     scheduler = getattr(c, "scheduler", None)

@@ -83,8 +83,9 @@ class Bucket:
     #: ZeRO-1/2: `flat` holds the whole sums, the gradients concatenated (the group sums
     #: by all-reduce: gloo), not this rank's part of the `(dp, Σc)` layout
     whole: bool = False
-    #: the group its gradients are summed over: the reducer's (`_OWN`), or another one
-    #: (`GradReducer.param_groups`: a MoE layer's expert slices, summed over "edp")
+    #: the group its gradients are summed over: the reducer's (`own`), or another one
+    #: (`GradReducer.param_groups`: a MoE layer's expert slices, summed over "edp"; under
+    #: ZeRO-1/2 their shards are that group's)
     group: Any = None
     own: bool = True
 
@@ -125,14 +126,11 @@ class GradReducer:
     pipeline_counts: dict[Hashable, PipelineCounts | None] = field(default_factory=dict)
     #: id(param) → the group its gradient is summed over instead of `group` (expert
     #: parallelism: the ranks holding the same experts); such parameters get buckets of
-    #: their own (ZeRO 0 only)
+    #: their own
     param_groups: dict[int, dist.ProcessGroup | None] | None = None
 
     def __post_init__(self) -> None:
         others = self.param_groups or {}
-        if others and self.shards is not None:
-            raise RuntimeFailure("gradients summed over another group than dp do not "
-                                 "combine with ZeRO's dp shards")
         current: dict[int | None, list[torch.nn.Parameter]] = {}
         size: dict[int | None, int] = {}
         for p in reversed(self.params):
@@ -290,18 +288,18 @@ class GradReducer:
                                else dist.all_reduce(bucket.flat, group=bucket.group,
                                                     async_op=True))
         # ZeRO-1/2 (below): a fresh buffer, no whole-gradient bytes kept between steps
-        elif self.world > 1 and sums_by_all_reduce(self.group):
+        elif world > 1 and sums_by_all_reduce(bucket.group):
             # every rank receives every sum: the gradients as they are, and `collect`
             # reads this rank's columns out of them (no scatter layout, no slice copy)
             bucket.flat = torch.cat([g.reshape(-1) for g in grads])
             bucket.whole = True
-            bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+            bucket.work = dist.all_reduce(bucket.flat, group=bucket.group, async_op=True)
         else:
-            flat = scatter_layout(grads, self.world)
-            bucket.flat = flat if self.world == 1 else flat.new_empty(flat.numel() // self.world)
+            flat = scatter_layout(grads, world)
+            bucket.flat = flat if world == 1 else flat.new_empty(flat.numel() // world)
             bucket.whole = False
-            if self.world > 1:
-                bucket.work = reduce_scatter_single(bucket.flat, flat, group=self.group,
+            if world > 1:
+                bucket.work = reduce_scatter_single(bucket.flat, flat, group=bucket.group,
                                                     async_op=True, input_scratch=True)
         if self.shards is not None:
             for p in bucket.params:  # the bucket holds them now
@@ -380,16 +378,17 @@ class GradReducer:
     def collect(self, scale: float | torch.Tensor | None = None) -> None:
         """ZeRO-1/2: add the launched buckets' reduced parts to the shard gradients, then
         (`scale` given: the step's last collect) multiply every shard gradient by it."""
-        rank = dist.get_rank(self.group) if self.world > 1 else 0
         for bucket in self.buckets:
             if bucket.flat is None:
                 continue
             if bucket.work is not None:
                 bucket.work.wait()
+            world = 1 if bucket.group is None else dist.get_world_size(bucket.group)
+            rank = dist.get_rank(bucket.group) if world > 1 else 0
             offset = 0
             for p, has in zip(bucket.params, bucket.has_grad):
                 shard = self.shards[id(p)]
-                n, c = p.numel(), chunk(p.numel(), self.world)
+                n, c = p.numel(), chunk(p.numel(), world)
                 if bucket.whole:    # this rank's columns of the whole sums (maybe short)
                     lo, hi = min(n, rank * c), min(n, (rank + 1) * c)
                     part, offset = bucket.flat[offset + lo: offset + hi], offset + n

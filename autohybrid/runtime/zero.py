@@ -15,7 +15,11 @@ then compute exactly what they would on whole parameters.
             (ops/zero.py's gather start/wait)                  each layer's parameters
                                                               before use (passes/zero.py)
 
-Gradients are scaled by 1/Σ denominators like every other gradient (passes/global_loss.py).
+Expert parallelism (`groups_of`): a MoE layer's expert slices are held alike by the dp/ep
+ranks of their "edp" group, not by every dp rank, so their shards are cut over that group
+(its size and this rank's index in it) and gathered over it; every other parameter's over
+dp. Gradients are scaled by 1/Σ denominators like every other gradient
+(passes/global_loss.py).
 `full_value` / `full_grad` gather a parameter or its gradient back (for `full_state_dict`,
 `full_grads`); `squared_grad_norms` gives each parameter's Σg² over the dp group for
 clipping.
@@ -32,19 +36,35 @@ from ..ops.zero import chunk, copy_gathered, gather, gather_start, shard_of
 class ZeroShards:
     def __init__(self, stage: int, params: dict[str, nn.Parameter],
                  group: dist.ProcessGroup | None, dp: int, dp_rank: int, bucket_bytes: int,
-                 values_of=None):
+                 values_of=None, groups_of: dict[str, tuple] | None = None):
         """`values_of(name)`: this rank's shard of a parameter left on the meta device
-        (sharded materialization: runtime/materialize.py)."""
+        (sharded materialization: runtime/materialize.py); `groups_of`: name → (group,
+        size, index) of the parameters sharded over another group than dp's."""
         self.stage, self.group, self.dp, self.dp_rank = stage, group, dp, dp_rank
+        #: name → (group, size, this rank's index) where not (group, dp, dp_rank)
+        self.groups_of = dict(groups_of or {})
         self.params = dict(params)                       # name → the whole (tp-local) param
         self.numel = {name: p.numel() for name, p in params.items()}
         self.shape = {name: tuple(p.shape) for name, p in params.items()}
         self.shards = {name: nn.Parameter(values_of(name) if p.is_meta
-                                          else shard_of(p, dp, dp_rank),
+                                          else shard_of(p, self.ways(name), self.index(name)),
                                           requires_grad=p.requires_grad)
                        for name, p in params.items()}
         self.bucket_bytes = bucket_bytes
         self._by_id = {id(p): name for name, p in params.items()}
+
+    def ways(self, name: str) -> int:
+        """Over how many ranks parameter `name` is sharded."""
+        return self.groups_of[name][1] if name in self.groups_of else self.dp
+
+    def index(self, name: str) -> int:
+        """Which of its shards this rank holds."""
+        return self.groups_of[name][2] if name in self.groups_of else self.dp_rank
+
+    def _group_of(self, name: str) -> dist.ProcessGroup | None:
+        group, size = (self.groups_of[name][:2] if name in self.groups_of
+                       else (self.group, self.dp))
+        return group if group is not None and size > 1 else None
 
     def shard_for(self, param: nn.Parameter) -> nn.Parameter:
         return self.shards[self._by_id[id(param)]]
@@ -60,13 +80,22 @@ class ZeroShards:
 
     def squared_grad_norms(self) -> dict[str, torch.Tensor]:
         """Σ g² of each parameter's whole gradient (this rank's shards summed over dp)."""
-        names = [n for n, s in self.shards.items() if s.grad is not None]
-        if not names:
-            return {}
-        local = torch.stack([self.shards[n].grad.detach().double().pow(2).sum() for n in names])
-        if self.group is not None and self.dp > 1:
-            dist.all_reduce(local, group=self.group)
-        return dict(zip(names, local.unbind()))
+        out = {}
+        for names in self._by_group([n for n, s in self.shards.items() if s.grad is not None]):
+            local = torch.stack([self.shards[n].grad.detach().double().pow(2).sum()
+                                 for n in names])
+            group = self._group_of(names[0])
+            if group is not None:
+                dist.all_reduce(local, group=group)
+            out.update(zip(names, local.unbind()))
+        return out
+
+    def _by_group(self, names: list[str]) -> list[list[str]]:
+        """`names` grouped by the group they are sharded over (dp's first), in order."""
+        parts: dict[bool, list[str]] = {}
+        for n in names:
+            parts.setdefault(n in self.groups_of, []).append(n)
+        return [parts[k] for k in (False, True) if k in parts]
 
     # ------------------------------------------------------------------ parameters
     def gather_params(self) -> None:
@@ -85,21 +114,22 @@ class ZeroShards:
                               [self.params[n] for n in names])
 
     def _gather_start(self, names: list[str]) -> tuple[torch.Tensor, object | None]:
-        return gather_start([self.shards[n].detach() for n in names], self._comm_group,
-                            async_op=True)
+        return gather_start([self.shards[n].detach() for n in names],
+                            self._group_of(names[0]), async_op=True)
 
     def full_value(self, name: str) -> torch.Tensor:
         """The whole (tp-local) parameter `name`, gathered from the shards under ZeRO-3."""
         if self.stage < 3:
             return self.params[name].detach()
-        return gather([self.shards[name].detach()], [self.shape[name]], self._comm_group)[0]
+        return gather([self.shards[name].detach()], [self.shape[name]],
+                      self._group_of(name))[0]
 
     def full_grad(self, name: str) -> torch.Tensor | None:
         """The whole (tp-local) reduced gradient of `name` (None without one)."""
         grad = self.shards[name].grad  # None on every dp rank alike (the same graph)
         if grad is None:
             return None
-        return gather([grad.detach()], [self.shape[name]], self._comm_group)[0]
+        return gather([grad.detach()], [self.shape[name]], self._group_of(name))[0]
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameters, gradients and shards this object keeps (for the tests'
@@ -110,17 +140,17 @@ class ZeroShards:
         return {"shards": shards, "shard_grads": shard_grads}
 
     # ------------------------------------------------------------------ helpers
-    @property
-    def _comm_group(self) -> dist.ProcessGroup | None:
-        return self.group if self.group is not None and self.dp > 1 else None
-
     def _buckets(self) -> list[list[str]]:
-        out: list[list[str]] = [[]]
-        size = 0
-        for name, s in self.shards.items():
-            out[-1].append(name)
-            size += chunk(self.numel[name], self.dp) * self.dp * s.element_size()
-            if size >= self.bucket_bytes:
-                out.append([])
-                size = 0
+        """Names in gather buckets of about `bucket_bytes`, a bucket's all over one group."""
+        out: list[list[str]] = []
+        for names in self._by_group(list(self.shards)):
+            out.append([])
+            size = 0
+            for name in names:
+                out[-1].append(name)
+                ways = self.ways(name)
+                size += chunk(self.numel[name], ways) * ways * self.shards[name].element_size()
+                if size >= self.bucket_bytes:
+                    out.append([])
+                    size = 0
         return [b for b in out if b]

@@ -468,7 +468,7 @@ def _variants(base: Layout, pinned: Constraints, cluster) -> Iterator[Iterator[L
     if pinned.collective_algorithm not in (None, "flat"):
         zeros = [0]  # (Constraints refuses it with a pinned zero > 0)
     if base.mesh.ep > 1 and pinned.zero is None:
-        zeros = [0]  # expert slices are not cut into ZeRO shards (passes/expert_parallel.py)
+        zeros = [0, 1, 2]  # no ZeRO-3 of expert slices (passes/expert_parallel.py)
     for zero in zeros:
         for algorithm in _algorithms(base, pinned, cluster, zero):
             yield _levels(base, recomputes, zero, algorithm)
@@ -639,7 +639,7 @@ def layout_constraints(c: Candidate) -> Constraints:
     searching under them prices this layout alone, so `ah.plan` makes this plan again."""
     lay, mesh = c.layout, c.layout.mesh
     return Constraints(dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, sp=mesh.sp, spatial=mesh.spatial,
-                       microbatch_size=lay.microbatch_size,
+                       ep=mesh.ep, microbatch_size=lay.microbatch_size,
                        num_microbatches=lay.num_microbatches,
                        schedule=lay.schedule if mesh.pp > 1 else None,
                        virtual_stages=lay.virtual_stages, recompute=lay.recompute,

@@ -557,7 +557,8 @@ def memory_per_pp_rank(profile: ModelProfile, cluster, layout: Layout, seq: int 
     held = _held(profile, stages, shape, cache, limit, graph_dtype_bytes)
     out = []
     for rank in range(mesh.pp):
-        state = training_state(held.params[rank], dtype, optimizer, layout.zero, mesh.dp)
+        state = _training_state({}, held.params[rank], dtype, optimizer, layout.zero,
+                                mesh.dp, held.experts[rank], mesh.ep)
         out.append(_rank_memory(state, stages.sums[rank], stages.working[rank], layout, rank))
     return tuple(out)
 
@@ -573,6 +574,8 @@ class Held:
     tensors: int
     distinct: tuple[int, ...]
     gathers: tuple[int, ...] = ()    # per rank: its ZeRO-3 gathers (layers.gather_groups)
+    #: per rank: the part of `params` that is expert slices (ZeRO shards them over "edp")
+    experts: tuple[float, ...] = ()
 
 
 def _held(profile: ModelProfile, stages: Split, shape: tuple, cache: dict,
@@ -586,8 +589,11 @@ def _held(profile: ModelProfile, stages: Split, shape: tuple, cache: dict,
         first: dict[tuple, int] = {}
         for rank, work in enumerate(zip(params, stages.sums, stages.working)):
             first.setdefault(work, rank)
+        experts = tuple(profile.expert_params([layer for first, end in spans
+                                               for layer in profile.layers[first:end]], ep)
+                        if ep > 1 else 0.0 for spans in stages.ranges)
         cache[key] = Held(params, max(count for _, count, _ in per_rank),
-                          tuple(first.values()), tuple(n for _, _, n in per_rank))
+                          tuple(first.values()), tuple(n for _, _, n in per_rank), experts)
     return cache[key]
 
 
@@ -673,7 +679,8 @@ def _ranks_memory_and_sync(cluster, layout: Layout, stages: Split, held: Held, d
     width = dtype_bytes(grad_reduce_dtype) if grad_reduce_dtype else max(4, dtype_bytes(dtype))
     for rank in held.distinct:
         local, sums = held.params[rank], stages.sums[rank]
-        state = _training_state(cache, local, dtype, optimizer, layout.zero, layout.mesh.dp)
+        state = _training_state(cache, local, dtype, optimizer, layout.zero, layout.mesh.dp,
+                                held.experts[rank], layout.mesh.ep)
         memory = _rank_memory(state, sums, stages.working[rank], layout, rank)
         if worst is None or memory.total > worst.total:
             worst = memory
@@ -687,12 +694,20 @@ def _ranks_memory_and_sync(cluster, layout: Layout, stages: Split, held: Held, d
 
 
 def _training_state(cache: dict, local: float, dtype: str, optimizer: str, zero: int,
-                    dp: int) -> MemoryBreakdown:
-    """`training_state`, memoized in the search's `cache` (most candidates share it)."""
-    key = ("state", local, dtype, optimizer, zero, dp)
+                    dp: int, experts: float = 0.0, ep: int = 1) -> MemoryBreakdown:
+    """`training_state`, memoized in the search's `cache` (most candidates share it);
+    `experts` of the `local` parameters are expert slices, ZeRO-sharded over the dp/ep
+    ranks holding the same experts (runtime/zero.py)."""
+    key = ("state", local, dtype, optimizer, zero, dp, experts, ep)
     state = cache.get(key)
     if state is None:
-        state = cache[key] = training_state(local, dtype, optimizer, zero, dp)
+        rest = training_state(local - experts, dtype, optimizer, zero, dp)
+        if experts:
+            mine = training_state(experts, dtype, optimizer, zero, dp // ep)
+            rest = MemoryBreakdown(params=rest.params + mine.params,
+                                   grads=rest.grads + mine.grads,
+                                   optimizer=rest.optimizer + mine.optimizer)
+        state = cache[key] = rest
     return state
 
 

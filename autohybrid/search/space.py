@@ -110,6 +110,12 @@ class ModelProfile:
     def local_params(self, layers: list[LayerProfile], tp: int, ep: int = 1) -> float:
         return local_params(layers, tp, self.kv_heads, self.vocab, ep)
 
+    def expert_params(self, layers: list[LayerProfile], ep: int) -> float:
+        """Of `local_params`, the experts' slices one ep rank holds (summed over "edp")."""
+        unique = {name: count for layer in layers for name, count, split in layer.params
+                  if split == "expert"}
+        return sum(unique.values()) / ep
+
     def tp_problem(self, tp: int) -> str | None:
         """Why the tp layout cannot split `tp` ways (None: it can)."""
         if self.heads and self.heads % tp:
