@@ -4,10 +4,11 @@ The reference is Hugging Face's eager experts loop written out token by token (f
 One rank: values and every gradient (tokens, routing weights, both expert weights), for
 each activation, the "no expert" sentinel and an expert no token reaches; backward with
 forward's saved rows and with them recomputed. Expert parallelism (2 and 4 gloo ranks in
-one launch each): every rank holds its shard of the tokens and its slice of the experts,
-and must give the rows and token gradients of its shard and the whole batch's gradients of
-its experts, as the reference on the whole batch does — with routes spread, all sent to
-one rank's experts (the others receive nothing) and uneven per expert.
+one launch per case): every rank holds its shard of the tokens and its slice of the
+experts, and must give the rows and token gradients of its shard and the whole batch's
+gradients of its experts, as the reference on the whole batch does — with routes spread,
+all sent to one rank's experts (the others receive nothing) and uneven per expert, in one
+chunk and in several (the dispatch of one chunk overlapping the experts of the last).
 """
 from __future__ import annotations
 
@@ -120,7 +121,7 @@ def test_fake_gives_the_token_shape():
 
 # ------------------------------------------------------------------ expert parallelism
 
-def _ep_rank(rank: int, world: int, experts: int, routes: str) -> str:
+def _ep_rank(rank: int, world: int, experts: int, routes: str, chunks: int = 1) -> str:
     groups.bind("ep", dist.group.WORLD)
     try:
         per = 5 + rank                              # uneven token counts per rank
@@ -137,7 +138,7 @@ def _ep_rank(rank: int, world: int, experts: int, routes: str) -> str:
         ref_grads = torch.autograd.grad(ref, full, gy)
         part = _leaves(x[mine], w[mine], gate_up[own], down[own])
         out = moe_experts(part[0], idx[mine], part[1], part[2], part[3], experts, "silu",
-                          "ep")
+                          "ep", chunks)
         _close("output", out, ref[mine])
         grads = torch.autograd.grad(out, part, gy[mine])
         _close("grad x", grads[0], ref_grads[0][mine])
@@ -155,7 +156,16 @@ def _ep_rank(rank: int, world: int, experts: int, routes: str) -> str:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world, experts", [(2, 4), (4, 8)])
 def test_expert_parallel_equals_the_whole_batch(world, experts):
-    for routes in ("spread", "one", "skewed"):
-        results = pool_launch(_ep_rank, world, args=(world, experts, routes),
+    for routes, chunks in (("spread", 1), ("one", 1), ("skewed", 1), ("spread", 3),
+                           ("one", 2), ("skewed", 9)):
+        # chunks: each chunk's rows travel while the one before is computed; 9 is more
+        # chunks than a rank has tokens (5 to 8): some chunks empty, as many on every rank
+        results = pool_launch(_ep_rank, world, args=(world, experts, routes, chunks),
                               timeout_s=LAUNCH_TIMEOUT_S)
         assert results == [f"ok:{r}" for r in range(world)]
+
+
+def test_chunks_split_the_tokens_evenly():
+    assert moe.chunk_bounds(7, 3) == [(0, 3), (3, 5), (5, 7)]
+    assert moe.chunk_bounds(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]   # as many everywhere
+    assert moe.chunk_bounds(0, 2) == [(0, 0), (0, 0)]

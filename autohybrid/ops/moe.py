@@ -77,9 +77,10 @@ def _group(axis: str) -> dist.ProcessGroup | None:
 
 @dataclass
 class Routing:
-    """Where each routed row goes, and what forward left for backward."""
+    """Where each routed row of one chunk of tokens goes, and what forward left for
+    backward."""
 
-    order: torch.Tensor        # (n,) flat (t·k + j) slots of the valid routes, by expert
+    order: torch.Tensor        # (n,) flat (t·k + j) slots of the chunk's valid routes, by expert
     tokens: torch.Tensor       # (n,) their token rows (order // k)
     send: list[int]            # rows sent to each rank of the axis (one entry: no axis)
     recv: list[int]            # rows received from each rank
@@ -90,8 +91,23 @@ class Routing:
     ys: torch.Tensor | None = None   # (n, H) expert outputs back at the source, by `order`
 
 
+def chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
+    """[start, stop) token rows of each of `chunks` chunks, as equal as they can be; some
+    empty when there are fewer tokens than chunks (every rank of the axis runs the same
+    number of chunks, each an all-to-all, whatever its share of the batch)."""
+    base, extra = divmod(tokens, chunks)
+    bounds, start = [], 0
+    for i in range(chunks):
+        stop = start + base + (i < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
 def _route(top_k_index: torch.Tensor, num_experts: int, local_experts: int,
-           group: dist.ProcessGroup | None) -> Routing:
+           group: dist.ProcessGroup | None, chunks: int) -> list[Routing]:
+    """The routing of each chunk of tokens; over an axis, one all-to-all of every chunk's
+    per-expert counts tells each rank what it receives."""
     k = top_k_index.shape[-1]
     flat = top_k_index.reshape(-1)
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) > num_experts):
@@ -99,34 +115,49 @@ def _route(top_k_index: torch.Tensor, num_experts: int, local_experts: int,
             f"autohybrid::moe_experts: expert indices must lie in [0, {num_experts}] "
             f"({num_experts} = no expert); got values in [{int(flat.min())}, "
             f"{int(flat.max())}]")
-    order = torch.argsort(flat, stable=True)
-    per_expert = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
-    n = int(per_expert.sum())
-    order = order[:n]                     # the sentinel sorts last: drop its slots
-    tokens = torch.div(order, k, rounding_mode="floor")
+    parts = []
+    for start, stop in chunk_bounds(top_k_index.shape[0], chunks):
+        keys = top_k_index[start:stop].reshape(-1)
+        per_expert = torch.bincount(keys, minlength=num_experts + 1)[:num_experts]
+        n = int(per_expert.sum())
+        order = torch.argsort(keys, stable=True)[:n]   # the sentinel sorts last: dropped
+        tokens = start + torch.div(order, k, rounding_mode="floor")
+        parts.append((order + start * k, tokens, per_expert))
     if group is None:
-        counts = per_expert.tolist()
-        ident = torch.arange(n, device=flat.device)
-        return Routing(order, tokens, [n], [n], ident, counts)
+        return [Routing(order, tokens, [len(order)], [len(order)],
+                        torch.arange(len(order), device=flat.device), per_expert.tolist())
+                for order, tokens, per_expert in parts]
     ep = dist.get_world_size(group)
-    matrix = torch.empty_like(per_expert)
-    dist.all_to_all_single(matrix, per_expert.contiguous(), group=group)
-    matrix = matrix.view(ep, local_experts)         # [source rank, local expert]
-    send = per_expert.view(ep, local_experts).sum(1).tolist()
-    recv = matrix.sum(1).tolist()
-    expert_of_row = torch.repeat_interleave(
-        torch.arange(local_experts, device=flat.device).repeat(ep), matrix.reshape(-1))
-    local = torch.argsort(expert_of_row, stable=True)
-    return Routing(order, tokens, send, recv, local, matrix.sum(0).tolist())
+    # [chunk, rank, local expert] → every rank's block of all chunks together
+    mine = torch.stack([p[2] for p in parts]).view(len(parts), ep, local_experts)
+    theirs = torch.empty_like(mine.transpose(0, 1).contiguous())
+    dist.all_to_all_single(theirs, mine.transpose(0, 1).contiguous(), group=group)
+    out = []
+    for c, (order, tokens, per_expert) in enumerate(parts):
+        matrix = theirs[:, c]                              # [source rank, local expert]
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(local_experts, device=flat.device).repeat(ep), matrix.reshape(-1))
+        out.append(Routing(order, tokens, per_expert.view(ep, local_experts).sum(1).tolist(),
+                           matrix.sum(1).tolist(), torch.argsort(expert_of_row, stable=True),
+                           matrix.sum(0).tolist()))
+    return out
 
 
-def _exchange(rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
-              group: dist.ProcessGroup | None) -> torch.Tensor:
+def _start(rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
+           group: dist.ProcessGroup | None) -> tuple[torch.Tensor, object | None]:
+    """Issue the all-to-all of `rows` (asynchronous): (its result buffer, its work)."""
     if group is None:
-        return rows
+        return rows, None
     out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
-    dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=out_splits,
-                           input_split_sizes=in_splits, group=group)
+    work = dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=out_splits,
+                                  input_split_sizes=in_splits, group=group, async_op=True)
+    return out, work
+
+
+def _finish(issued: tuple[torch.Tensor, object | None]) -> torch.Tensor:
+    out, work = issued
+    if work is not None:
+        work.wait()
     return out
 
 
@@ -154,22 +185,35 @@ def _experts(xe: torch.Tensor, counts: list[int], gate_up: torch.Tensor,
     return ys, h
 
 
-def _forward(x, top_k_index, top_k_weights, gate_up, down, num_experts, act, axis):
+def _forward(x, top_k_index, top_k_weights, gate_up, down, num_experts, act, axis, chunks):
+    """Chunk by chunk: chunk i+1's rows travel to their experts while chunk i's are
+    computed, and chunk i's results travel back while chunk i+1's are."""
     group = _group(axis)
-    r = _route(top_k_index, num_experts, gate_up.shape[0], group)
-    xs = x[r.tokens]
-    xe = _exchange(xs, r.recv, r.send, group)[r.local]
-    ye, h = _experts(xe, r.counts, gate_up, down, act)
-    ys = _exchange(_unpermute(ye, r.local), r.send, r.recv, group)
-    weights = top_k_weights.reshape(-1)[r.order]
-    weighted = ys * weights.unsqueeze(-1)
-    out = torch.zeros(x.shape, dtype=weighted.dtype, device=x.device)
-    out.index_add_(0, r.tokens, weighted)
-    r.xe, r.h, r.ys = xe, h, ys
-    return out.to(x.dtype), r
+    routings = _route(top_k_index, num_experts, gate_up.shape[0], group,
+                      chunks if group is not None else 1)
+    issued = _start(x[routings[0].tokens], routings[0].recv, routings[0].send, group)
+    back = []
+    for i, r in enumerate(routings):
+        received = _finish(issued)
+        if i + 1 < len(routings):
+            nxt = routings[i + 1]
+            issued = _start(x[nxt.tokens], nxt.recv, nxt.send, group)
+        r.xe = received[r.local]
+        ye, r.h = _experts(r.xe, r.counts, gate_up, down, act)
+        back.append(_start(_unpermute(ye, r.local), r.send, r.recv, group))
+    weights = top_k_weights.reshape(-1)
+    out = torch.zeros(x.shape, dtype=torch.promote_types(x.dtype, top_k_weights.dtype),
+                      device=x.device)
+    for r, issued in zip(routings, back):
+        r.ys = _finish(issued)
+        out.index_add_(0, r.tokens, r.ys * weights[r.order].unsqueeze(-1))
+    return out.to(x.dtype), routings
 
 
-def _check(x, top_k_index, top_k_weights, gate_up, down, num_experts, act, axis) -> None:
+def _check(x, top_k_index, top_k_weights, gate_up, down, num_experts, act, axis,
+           chunks) -> None:
+    if chunks < 1:
+        raise RuntimeFailure(f"autohybrid::moe_experts: chunks must be ≥ 1, got {chunks}")
     if act not in ACTIVATIONS:
         raise RuntimeFailure(f"autohybrid::moe_experts: activation {act!r} is not one of "
                              f"{ACTIVATIONS}")
@@ -192,72 +236,83 @@ _LEFT = threading.local()
 @torch.library.custom_op("autohybrid::moe_experts", mutates_args=())
 def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 gate_up: torch.Tensor, down: torch.Tensor, num_experts: int, act: str,
-                axis: str) -> torch.Tensor:
+                axis: str, chunks: int = 1) -> torch.Tensor:
     """The routed experts' weighted sum per token (module docstring)."""
-    _check(x, top_k_index, top_k_weights, gate_up, down, num_experts, act, axis)
-    out, routing = _forward(x, top_k_index, top_k_weights, gate_up, down, num_experts, act,
-                            axis)
+    _check(x, top_k_index, top_k_weights, gate_up, down, num_experts, act, axis, chunks)
+    out, routings = _forward(x, top_k_index, top_k_weights, gate_up, down, num_experts, act,
+                             axis, chunks)
     _LEFT.value = None
     if torch.is_grad_enabled() and any(t.requires_grad for t in
                                        (x, top_k_weights, gate_up, down)):
-        _LEFT.value = (weakref.ref(out), routing)
+        _LEFT.value = (weakref.ref(out), routings)
     return out
 
 
 @moe_experts.register_fake
-def _(x, top_k_index, top_k_weights, gate_up, down, num_experts, act, axis):
+def _(x, top_k_index, top_k_weights, gate_up, down, num_experts, act, axis, chunks=1):
     return x.new_empty(x.shape)
 
 
 def _setup(ctx, inputs, output) -> None:
-    x, top_k_index, top_k_weights, gate_up, down, num_experts, act, axis = inputs
+    x, top_k_index, top_k_weights, gate_up, down, num_experts, act, axis, chunks = inputs
     left, _LEFT.value = getattr(_LEFT, "value", None), None
-    ctx.routing = left[1] if left is not None and left[0]() is output else None
-    ctx.args = (num_experts, act, axis)
+    ctx.routings = left[1] if left is not None and left[0]() is output else None
+    ctx.args = (num_experts, act, axis, chunks)
     ctx.save_for_backward(x, top_k_index, top_k_weights, gate_up, down)
 
 
 def _backward(ctx, grad):
     x, top_k_index, top_k_weights, gate_up, down = ctx.saved_tensors
-    num_experts, act, axis = ctx.args
-    r, ctx.routing = ctx.routing, None
-    if r is None:
+    num_experts, act, axis, chunks = ctx.args
+    routings, ctx.routings = ctx.routings, None
+    if routings is None:
         with torch.no_grad():
-            _, r = _forward(x, top_k_index, top_k_weights, gate_up, down, num_experts, act,
-                            axis)
-    gx, gw, ggu, gd = experts_backward(grad, x, top_k_weights, gate_up, down, act, axis, r)
-    return gx, None, gw, ggu, gd, None, None, None
+            _, routings = _forward(x, top_k_index, top_k_weights, gate_up, down, num_experts,
+                                   act, axis, chunks)
+    gx, gw, ggu, gd = experts_backward(grad, x, top_k_weights, gate_up, down, act, axis,
+                                       routings)
+    return gx, None, gw, ggu, gd, None, None, None, None
 
 
 def experts_backward(grad: torch.Tensor, x: torch.Tensor, top_k_weights: torch.Tensor,
                      gate_up: torch.Tensor, down: torch.Tensor, act: str, axis: str,
-                     r: Routing) -> tuple[torch.Tensor, ...]:
-    """(grad x, grad weights, grad gate_up, grad down) of `moe_experts` given its routing
-    and saved rows `r`."""
+                     routings: list[Routing]) -> tuple[torch.Tensor, ...]:
+    """(grad x, grad weights, grad gate_up, grad down) of `moe_experts` given the routing
+    and saved rows of each chunk, pipelined as forward is: chunk i+1's output gradients
+    travel to the experts while chunk i's expert backward runs."""
     group = _group(axis)
-    gs = grad[r.tokens]
-    weights = top_k_weights.reshape(-1)[r.order]
+    weights = top_k_weights.reshape(-1)
     gw = torch.zeros(top_k_weights.numel(), dtype=top_k_weights.dtype, device=x.device)
-    gw[r.order] = (gs * r.ys).sum(-1).to(gw.dtype)
-    gy = (gs * weights.unsqueeze(-1)).to(x.dtype)
-    ge = _exchange(gy, r.recv, r.send, group)[r.local]
+
+    def rows(r: Routing) -> tuple[torch.Tensor, object | None]:
+        gs = grad[r.tokens]
+        gw[r.order] = (gs * r.ys).sum(-1).to(gw.dtype)
+        return _start((gs * weights[r.order].unsqueeze(-1)).to(x.dtype), r.recv, r.send, group)
+
     inter = down.shape[-1]
     ggu, gd = torch.zeros_like(gate_up), torch.zeros_like(down)
-    gxe = torch.empty_like(r.xe)
-    start = 0
-    for e, c in enumerate(r.counts):
-        if c:
-            seg = slice(start, start + c)
-            gate, up = r.h[seg].split(inter, dim=-1)
-            a = _act(gate, act)
-            gd[e] = ge[seg].t() @ (a * up)
-            ga = ge[seg] @ down[e]
-            gh = torch.cat([_act_backward(ga * up, gate, act), ga * a], dim=-1)
-            ggu[e] = gh.t() @ r.xe[seg]
-            gxe[seg] = gh @ gate_up[e]
-        start += c
-    gxs = _exchange(_unpermute(gxe, r.local), r.send, r.recv, group)
-    gx = torch.zeros_like(x).index_add_(0, r.tokens, gxs.to(x.dtype))
+    issued, back = rows(routings[0]), []
+    for i, r in enumerate(routings):
+        ge = _finish(issued)[r.local]
+        if i + 1 < len(routings):
+            issued = rows(routings[i + 1])
+        gxe = torch.empty_like(r.xe)
+        start = 0
+        for e, c in enumerate(r.counts):
+            if c:
+                seg = slice(start, start + c)
+                gate, up = r.h[seg].split(inter, dim=-1)
+                a = _act(gate, act)
+                gd[e] += ge[seg].t() @ (a * up)
+                ga = ge[seg] @ down[e]
+                gh = torch.cat([_act_backward(ga * up, gate, act), ga * a], dim=-1)
+                ggu[e] += gh.t() @ r.xe[seg]
+                gxe[seg] = gh @ gate_up[e]
+            start += c
+        back.append(_start(_unpermute(gxe, r.local), r.send, r.recv, group))
+    gx = torch.zeros_like(x)
+    for r, issued in zip(routings, back):
+        gx.index_add_(0, r.tokens, _finish(issued).to(x.dtype))
     return gx, gw.view_as(top_k_weights), ggu, gd
 
 
