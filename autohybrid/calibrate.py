@@ -72,8 +72,9 @@ CONTEXT_MATMUL = (1024, 256, 1024)
 CONTEXT_ITERATIONS = 6
 #: collectives the runtime starts before the compute they overlap (dp gradient buckets:
 #: all-reduces, ZeRO-1/2's reduce-scatters; ZeRO-3's prefetched gathers and deferred
-#: reduce-scatters): how much of each that compute hides is measured too
-OVERLAPPED_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+#: reduce-scatters; a MoE layer's chunked all-to-alls): how much of each that compute
+#: hides is measured too
+OVERLAPPED_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
 @dataclass(frozen=True)

@@ -273,6 +273,9 @@ class Plan:
     #: dtype the dp gradient reduction runs in (None: the gradients' own, i.e. the fp32
     #: master weights' under mixed precision; "bfloat16" halves the bytes sent)
     grad_reduce_dtype: str | None = None
+    #: expert parallelism: each MoE layer's tokens in this many chunks, one chunk's
+    #: all-to-all overlapping the expert compute of the one before (ops/moe.py)
+    moe_chunks: int = 1
     #: ZeRO-3: a layer whose parameters are smaller than this shares its neighbour's
     #: gather (passes/zero.py); the planner sets the dp link's latency × bandwidth, below
     #: which a collective costs its latency whatever its size
@@ -382,13 +385,15 @@ class Constraints:
     spatial: tuple[int, ...] | None = None
     #: expert parallelism degree (Mesh.ep; 1 pins none)
     ep: int | None = None
+    #: chunks of each MoE layer's tokens under ep (Plan.moe_chunks)
+    moe_chunks: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.spatial, list):
             object.__setattr__(self, "spatial", tuple(self.spatial))
         check_spatial("Constraints.spatial", self.spatial, self.tp, self.sp)
         for name in ("dp", "tp", "pp", "microbatch_size", "num_microbatches", "virtual_stages",
-                     "ep"):
+                     "ep", "moe_chunks"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)
                                       or value < 1):
@@ -493,7 +498,8 @@ def _validate(plan: Plan) -> None:
     _check_sizes(plan)
     _check_shardings(plan)
     _check_spatial_plan(plan)
-    for name in ("global_batch", "microbatch_size", "num_microbatches", "virtual_stages"):
+    for name in ("global_batch", "microbatch_size", "num_microbatches", "virtual_stages",
+                 "moe_chunks"):
         value = getattr(plan, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise PlanError(f"plan.{name} must be a positive integer, got {value!r}")
@@ -599,11 +605,12 @@ def _check_collective_matmul(plan: Plan) -> None:
 # ---------------------------------------------------------------------- JSON helpers
 #: fields added since FORMAT_VERSION 1 was first written: a plan file without them reads
 #: as their default
-_ADDED_FIELDS = {"Plan": ("params_hash",), "Mesh": ("spatial", "ep"),
-                 "Alternative": ("constraints",), "Constraints": ("ep",)}
+_ADDED_FIELDS = {"Plan": ("params_hash", "moe_chunks"), "Mesh": ("spatial", "ep"),
+                 "Alternative": ("constraints",), "Constraints": ("ep", "moe_chunks")}
 #: fields written only when not at their default, so that plans without them keep their
 #: JSON (and hash) byte for byte
-_WRITTEN_IF_SET = {"Mesh": ("ep",), "Constraints": ("ep",)}
+_WRITTEN_IF_SET = {"Mesh": ("ep",), "Constraints": ("ep", "moe_chunks"),
+                   "Plan": ("moe_chunks",)}
 
 
 def _to_jsonable(obj: Any) -> Any:

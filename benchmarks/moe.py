@@ -7,7 +7,8 @@ predicted, in one run.
 Per world size: `ah.calibrate` on that many local ranks (its all-to-all is one of the
 collectives it times), then one launch in which every rank compiles the MoE model under
 dp only (ep = 1) and under each expert-parallel degree the world allows (2; and 4 on 4
-ranks), all with dp = world, tp = pp = 1, ZeRO 0, from the same initial weights. Steps
+ranks), all with dp = world, tp = pp = 1, ZeRO 0, from the same initial weights; the
+planner picks the chunks each MoE layer's tokens are exchanged in (×C in the table). Steps
 alternate between the plans, a barrier before each (paired: a plan's step is compared
 with the dp step next to it). Every rank times each all-to-all of token rows the MoE
 layers issue (ops/moe.py's dispatch and combine, forward and backward; not the small
@@ -91,6 +92,7 @@ def _rank(rank: int, ref: str, world: int, steps: int, warmup: int) -> dict:
             spent[0] += time.perf_counter() - start
         return work
 
+    chunks = {ep: compiled[ep].plan.moe_chunks for ep in degrees}
     step_s = {ep: [] for ep in degrees}
     a2a_s = {ep: [] for ep in degrees}
     losses = {ep: [] for ep in degrees}
@@ -112,7 +114,8 @@ def _rank(rank: int, ref: str, world: int, steps: int, warmup: int) -> dict:
     cfg = workload.model.config
     rows = workload.inputs[0].numel() // world * cfg["top_k"]
     alone = {ep: _alone(rank, world, ep, rows, cfg["hidden"]) for ep in degrees if ep > 1}
-    return {"step_s": step_s, "a2a_s": a2a_s, "losses": losses, "alone_s": alone}
+    return {"step_s": step_s, "a2a_s": a2a_s, "losses": losses, "alone_s": alone,
+            "chunks": chunks}
 
 
 def _alone(rank: int, world: int, ep: int, rows: int, hidden: int, repeats: int = 20
@@ -148,7 +151,8 @@ def run(world: int, ref: str, steps: int, warmup: int, calibrate: bool) -> list[
         alone = 4 * layers * max(r["alone_s"][ep] for r in results) if ep > 1 else 0.0
         equal = all(abs(a - b) <= 1e-5 * max(1.0, abs(b))
                     for a, b in zip(results[0]["losses"][ep], results[0]["losses"][1]))
-        rows.append(dict(world=world, ep=ep, step_s=statistics.median(steps_s),
+        rows.append(dict(world=world, ep=ep, chunks=results[0]["chunks"][ep],
+                         step_s=statistics.median(steps_s),
                          paired=statistics.median(a / b for a, b in zip(steps_s, dp_s)),
                          a2a_s=statistics.median(a2a), alone_s=alone,
                          predicted_a2a_s=predicted_all_to_all(workload, world, ep, profile),
@@ -157,12 +161,13 @@ def run(world: int, ref: str, steps: int, warmup: int, calibrate: bool) -> list[
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'ranks':>5} {'plan':<16} {'step ms':>8} {'÷ dp':>6} {'a2a in step':>11} "
+    head = (f"{'ranks':>5} {'plan':<19} {'step ms':>8} {'÷ dp':>6} {'a2a in step':>11} "
             f"{'a2a alone':>9} {'predicted':>9} {'losses':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        plan = "dp only" if r["ep"] == 1 else f"ep={r['ep']} (dp={r['world']})"
-        lines.append(f"{r['world']:>5} {plan:<16} {r['step_s'] * 1e3:8.1f} {r['paired']:6.3f} "
+        plan = "dp only" if r["ep"] == 1 else \
+            f"ep={r['ep']} (dp={r['world']}) ×{r['chunks']}"
+        lines.append(f"{r['world']:>5} {plan:<19} {r['step_s'] * 1e3:8.1f} {r['paired']:6.3f} "
                      f"{r['a2a_s'] * 1e3:11.2f} {r['alone_s'] * 1e3:9.2f} "
                      f"{r['predicted_a2a_s'] * 1e3:9.2f} "
                      f"{r['losses']:>7}")

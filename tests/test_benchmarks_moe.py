@@ -27,4 +27,5 @@ def test_moe_benchmark_runs_ep_beside_dp(capsys, tmp_path):
     assert all(r["losses"] == "equal" and r["step_s"] > 0 for r in rows)
     assert dp["a2a_s"] == dp["predicted_a2a_s"] == 0.0
     assert ep["a2a_s"] > 0 and ep["alone_s"] > 0 and ep["predicted_a2a_s"] > 0
+    assert ep["chunks"] >= 1 and dp["chunks"] == 1
     assert "ep=2 (dp=2)" in capsys.readouterr().out and "a2a alone" in out.read_text()

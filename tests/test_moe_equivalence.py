@@ -6,7 +6,8 @@ same global batches: losses, gathered gradients and parameters after every step
 (tests/_equiv.py), under SGD and AdamW. Plans: ep=2 (with microbatches), ep=4, ep=2 × dp
 (experts replicated on two ranks each, their gradients summed over those), ep × tp (with
 and without sequence parallelism), ep × pp, ep with ZeRO-1 and ZeRO-2 (expert slices
-sharded over the ranks holding the same experts); and, for reference, dp, tp and pp
+sharded over the ranks holding the same experts), ep with the tokens in chunks (each
+chunk's all-to-all beside the previous one's experts); and, for reference, dp, tp and pp
 without ep. Every ep plan is checked to hold E/ep experts per rank (its expert weights are
 slices), so a plan that quietly fell back to replicated experts fails. The routing of
 the tiny model is uneven per expert (checked); extreme routing (every token to one
@@ -51,6 +52,9 @@ def _rank(rank: int, world: int, cases: list[tuple[dict, str]]) -> Failures:
                                         constraints=ah.Constraints(**pinned))
         ep = pinned.get("ep", 1)
         fails.check(f"{name}: mesh {compiled.plan.mesh}", compiled.plan.mesh.ep == ep)
+        if "moe_chunks" in pinned:
+            fails.check(f"{name}: {compiled.plan.moe_chunks} chunks",
+                        compiled.plan.moe_chunks == pinned["moe_chunks"])
         if ep > 1:
             local = {n: p for n, p in compiled.sharded.local.items()
                      if compiled.sharded.specs[n].axis == "ep"}
@@ -79,7 +83,8 @@ def test_four_ranks():
     _run(4, [(dict(dp=4, ep=4), "adamw"), (dict(dp=4, ep=2), "sgd"),
              (dict(dp=2, ep=2, tp=2), "adamw"), (dict(dp=2, ep=2, tp=2, sp=False), "sgd"),
              (dict(pp=2, dp=2, ep=2, num_microbatches=2), "adamw"),
-             (dict(dp=4, ep=2, zero=1), "adamw"), (dict(dp=4, ep=2, zero=2), "sgd")])
+             (dict(dp=4, ep=2, zero=1), "adamw"), (dict(dp=4, ep=2, zero=2), "sgd"),
+             (dict(dp=4, ep=4, moe_chunks=3, num_microbatches=2), "adamw")])
 
 
 def _checkpoint_rank(rank: int, directory: str) -> list[str]:

@@ -2,7 +2,8 @@
 
 With `Plan.mesh.ep` > 1, every `autohybrid::moe_experts` node (ops/moe.py; one per MoE
 layer, from the zoo's MoE model or Hugging Face experts routed by capture_moe.py) gets
-axis "ep": its tokens go to their experts' ranks and back by all-to-all. Its two weight
+axis "ep": its tokens go to their experts' ranks and back by all-to-all, in
+`Plan.moe_chunks` chunks (one chunk's exchange overlapping the next one's experts). Its two weight
 parameters become this rank's slice of E/ep experts along dim 0 (`ShardSpec(axis="ep")`
 in `ctx.notes["param_shards"]`, as tensor parallelism's shards: the runtime slices them,
 gathers them back for full_state_dict and checkpoints, and sums their gradients over
@@ -31,6 +32,8 @@ from ..program import ShardSpec
 from .manager import PassContext
 
 AXIS = "ep"
+#: the op's arguments before `axis` and `chunks`, in its schema's order
+_ARGS = ("x", "top_k_index", "top_k_weights", "gate_up", "down", "num_experts", "act")
 MOE_EXPERTS = torch.ops.autohybrid.moe_experts.default
 
 
@@ -84,10 +87,8 @@ def expert_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 with mode:
                     weight.meta[VAL] = torch.empty((experts // ep, *full.shape[1:]),
                                                    dtype=full.dtype, device=full.device)
-        if len(node.args) > 7:
-            node.update_arg(7, AXIS)
-        else:
-            node.update_kwarg("axis", AXIS)
+        node.args = (*(kw[name] for name in _ARGS), AXIS, ctx.plan.moe_chunks)
+        node.kwargs = {}
     ctx.notes["param_shards"] = {**ctx.notes.get("param_shards", {}), **specs}
     gm.recompile()
     return gm

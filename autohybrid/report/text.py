@@ -62,8 +62,9 @@ def _experts_line(plan: Plan) -> str:
     if ep > 1:
         what = (f"  experts         split over ep = {ep} of the {plan.mesh.dp} dp ranks: each "
                 f"rank holds 1/{ep} of every MoE layer's experts and sends each token to its "
-                f"experts' ranks and back by all-to-all (four per MoE layer and microbatch, "
-                f"priced in the exposed communication); expert gradients are summed over the "
+                f"experts' ranks and back by all-to-all, in {plan.moe_chunks} chunk(s) per "
+                f"MoE layer and microbatch (a chunk's exchange beside the previous chunk's "
+                f"experts; what stays exposed is priced); expert gradients are summed over the "
                 f"{plan.mesh.dp // ep} rank(s) holding the same experts")
     else:
         what = ("  experts         whole on every rank (ep = 1): each rank computes every "

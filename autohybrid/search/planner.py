@@ -315,7 +315,8 @@ def _layouts(profile: ModelProfile, cluster, request: PlanRequest,
                         for schedule, virtual in _schedules(pp, count, blocks, pinned,
                                                             skipped):
                             yield Layout(mesh, micro, count, schedule, virtual, "none", 0,
-                                         bucket, collective_matmul=pinned.collective_matmul)
+                                         bucket, collective_matmul=pinned.collective_matmul,
+                                         moe_chunks=pinned.moe_chunks)
 
 
 def _ep_degrees(profile: ModelProfile, dp: int, tiles: tuple[int, ...], pinned: Constraints,
@@ -573,6 +574,7 @@ def _make_plan(best: Candidate, profile: ModelProfile, cluster, request: PlanReq
     predicted = replace(best.priced.prediction, memory_per_pp_rank=per_rank)
     return replace(plan, collective_matmul=bool(chunked), collective_matmul_layers=chunked,
                    bucket_mb=best.priced.bucket_mb, predicted=predicted,
+                   moe_chunks=best.priced.moe_chunks if best.layout.mesh.ep > 1 else 1,
                    executable=False,   # _choose marks it once the passes ran
                    not_executable_because=best.unsupported,
                    shardings=(_shardings(profile) if best.layout.mesh.tp > 1
@@ -645,7 +647,8 @@ def layout_constraints(c: Candidate) -> Constraints:
                        virtual_stages=lay.virtual_stages, recompute=lay.recompute,
                        zero=lay.zero, bucket_mb=c.priced.bucket_mb,
                        collective_algorithm=lay.collective_algorithm,
-                       collective_matmul=lay.collective_matmul)
+                       collective_matmul=lay.collective_matmul,
+                       moe_chunks=c.priced.moe_chunks if mesh.ep > 1 else None)
 
 
 #: an alternative the runtime could run whose passes were not run (only the chosen plan

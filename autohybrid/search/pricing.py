@@ -123,6 +123,8 @@ class Layout:
     #: chunked sequence-parallel collectives: None = per layer where it pays, True = every
     #: layer with sharded matmuls, False = none
     collective_matmul: bool | None = None
+    #: chunks of each MoE layer's tokens under ep (None: the cheapest of MOE_CHUNKS)
+    moe_chunks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,7 @@ class Priced:
     fits: bool
     chunked: tuple[tuple[str, int], ...] = ()   # (layer, chunks) run as collective matmuls
     bucket_mb: float = 25.0                      # the dp gradient buckets priced
+    moe_chunks: int = 1                          # each MoE layer's tokens in this many chunks
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,7 @@ class LayerTimes:
     recompute_saved: float  # bytes kept with full recomputation (a block: its input)
     input: float = 0.0      # bytes of the layer's input (what a stage boundary sends)
     chunks: int = 0         # collective matmul: its sp collectives in this many chunks
+    moe_chunks: int = 0     # a MoE layer under ep: its tokens in this many chunks
 
     @property
     def total(self) -> float:
@@ -216,13 +220,16 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
             tp_comm = chunked
         else:
             chunks = 0
+    moe_chunks = 0
     if mesh.ep > 1 and v["moe_routed"]:
-        # each MoE layer's dispatch and combine, forward and backward: four all-to-alls
-        # of its routed rows over the ep ranks (tokens on sequence slices under sp; full
-        # recomputation runs the forward's two again), exposed as tp's collectives are
-        a2a = comm.all_to_all(cluster, axis_ranks(mesh, "ep"),
-                              v["moe_routed"] * replicated_share * scale)
-        tp_comm += (6 if full else 4) * a2a
+        # each MoE layer's dispatch and combine, forward and backward, of its routed rows
+        # over the ep ranks (tokens on sequence slices under sp), chunk by chunk beside
+        # the experts' compute (full recomputation runs the forward's again)
+        experts = v["moe_flops"] * replicated_share / (peak * MATMUL_EFFICIENCY)
+        moe_chunks, forward_s, backward_s = moe_exchange(
+            cluster, axis_ranks(mesh, "ep"), v["moe_routed"] * replicated_share * scale,
+            experts, layout.moe_chunks)
+        tp_comm += (2 if full else 1) * forward_s + backward_s
     saved = (v["saved_sharded"] / t + v["saved_replicated"] * replicated_share) * scale
     if layout.recompute == "selective":
         saved -= v["attention_saved"] / t * scale
@@ -230,7 +237,39 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
         saved += scores_saved
     kept = v["input_bytes"] * replicated_share * scale
     return LayerTimes(forward, 2 * forward, recompute, tp_comm, saved,
-                      kept if full or layout.recompute != "full" else saved, kept, chunks)
+                      kept if full or layout.recompute != "full" else saved, kept, chunks,
+                      moe_chunks)
+
+
+#: chunk counts of a MoE layer's tokens the pricing chooses between (ops/moe.py)
+MOE_CHUNKS = (1, 2, 4, 8)
+
+
+def moe_exchange(cluster, ranks: tuple[int, ...], nbytes: float, experts_s: float,
+                 pinned: int | None = None) -> tuple[int, float, float]:
+    """(chunks, exposed forward seconds, exposed backward seconds) of a MoE layer's
+    all-to-alls under ep: `nbytes` of routed rows dispatched and combined around
+    `experts_s` of expert compute (backward: the gradients, around twice that), in C
+    chunks (the pinned count, else the cheapest of MOE_CHUNKS). Chunk i computes while
+    the link carries chunk i+1's dispatch and chunk i−1's combine, hidden as far as the
+    link hides a collective started before compute (`comm.hidden_share`); the first
+    dispatch and the last combine are exposed; each chunk's all-to-all pays its latency."""
+    share = comm.hidden_share(cluster, ranks, "all_to_all")
+
+    def exposed(c: int, compute: float) -> float:
+        d, x = comm.all_to_all(cluster, ranks, nbytes / c), compute / c
+        total = 2 * d
+        for i in range(c):
+            link = d * ((i + 1 < c) + (i > 0))
+            total += x + link - share * min(link, x)
+        return total - compute
+
+    best = None
+    for c in ([pinned] if pinned else MOE_CHUNKS):
+        forward, backward = exposed(c, experts_s), exposed(c, 2 * experts_s)
+        if best is None or forward + backward < (best[1] + best[2]) * (1 - 1e-9):
+            best = (c, forward, backward)
+    return best
 
 
 def shape_lost_flops(layer: LayerProfile, b: int, seq: int | None, ways: dict, device,
@@ -463,11 +502,11 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
     mesh = layout.mesh
     shape = (layout.microbatch_size, mesh.tp, mesh.sp, layout.recompute, mesh.ep,
              *_tiling(mesh))
-    every = ("times", *shape, layout.collective_matmul)
+    every = ("times", *shape, layout.collective_matmul, layout.moe_chunks)
     if every not in cache:
         times = []
         for layer in profile.layers:
-            key = (layer.signature, *shape, layout.collective_matmul)
+            key = (layer.signature, *shape, layout.collective_matmul, layout.moe_chunks)
             if key not in cache:
                 cache[key] = layer_times(layer, cluster, layout, seq, dtype,
                                          graph_dtype_bytes, attention, tp_overlap,
@@ -517,7 +556,8 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
         memory_per_rank_bytes=worst.total, device_memory_bytes=cluster.device.memory_bytes,
         memory=worst)
     fits = worst.total <= usable_bytes(cluster.device.memory_bytes)
-    return Priced(prediction, stages.starts, fits, chunked, bucket_mb)
+    moe_chunks = next((t.moe_chunks for t in times if t.moe_chunks), 1)
+    return Priced(prediction, stages.starts, fits, chunked, bucket_mb, moe_chunks)
 
 
 def shared_speedup(alone: float, m: int, idle: float) -> float:
