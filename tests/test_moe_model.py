@@ -180,3 +180,35 @@ def test_expert_parallelism_of_a_model_without_experts_is_refused():
     cap = capture(model, (ids,), ah.models.spec.zoo_loss, targets)
     with pytest.raises(ah.PlanError, match="no MoE layer"):
         expert_parallel(copy.deepcopy(cap.gm), _ep_context(cap, 2, 2))
+
+
+def test_all_to_all_is_priced_per_link_it_crosses():
+    from autohybrid.cost import comm
+    cluster = ah.Cluster.preset("dgx-h100", nodes=2)     # 8 GPUs and 8 NICs per node
+    n = 64 * 2**20
+    inside = comm.all_to_all(cluster, tuple(range(8)), n)
+    alpha, beta = comm._link(cluster, tuple(range(8)), "all_to_all")
+    assert inside == pytest.approx(7 * alpha + 7 / 8 * n * beta)
+    both = comm.all_to_all(cluster, tuple(range(16)), n)
+    a_out, b_out = comm._link(cluster, tuple(range(16)), "all_to_all")
+    a_in, b_in = comm._link(cluster, tuple(range(8)), "all_to_all")
+    # half the bytes cross the NICs while the other half stays in the node: the slower
+    assert both == pytest.approx(max(7 * a_in + 7 / 16 * n * b_in, 8 * a_out + n / 2 * b_out))
+    assert both > inside      # the network is the slower link
+    assert comm.all_to_all(cluster, (0,), n) == 0.0
+
+
+def test_chunks_hide_the_exchange_behind_the_experts_as_far_as_the_link_hides_it():
+    from autohybrid.search.pricing import moe_exchange
+    cluster = ah.Cluster.preset("dgx-h100", nodes=1)
+    ranks, n = tuple(range(8)), 256 * 2**20
+    one = moe_exchange(cluster, ranks, n, 0.01, pinned=1)
+    d = __import__("autohybrid.cost.comm", fromlist=["x"]).all_to_all(cluster, ranks, n)
+    assert one == (1, pytest.approx(2 * d), pytest.approx(2 * d))   # nothing overlaps
+    chunks, forward, backward = moe_exchange(cluster, ranks, n, 0.01)
+    assert chunks > 1 and forward < one[1] and backward < one[2]
+    # a link that hides nothing: one chunk is best (more only pays latency)
+    opaque = type("Opaque", (), {"link_for": cluster.link_for, "hidden_share":
+                                 lambda self, r, k: 0.0,
+                                 "devices_per_node": cluster.devices_per_node})()
+    assert moe_exchange(opaque, ranks, n, 0.01)[0] == 1
