@@ -21,9 +21,11 @@ def test_moe_benchmark_runs_ep_beside_dp(capsys, tmp_path):
 
     out = tmp_path / "moe.txt"
     rows = moe.main(["--model", TINY, "--worlds", "2", "--steps", "1", "--warmup", "0",
-                     "--no-calibration", "--out", str(out)])
-    assert [(r["world"], r["ep"]) for r in rows] == [(2, 1), (2, 2)]
-    dp, ep = rows
+                     "--no-calibration", "--chunks", "3", "--out", str(out)])
+    assert [(r["world"], r["ep"], r["pinned"]) for r in rows] == [
+        (2, 1, False), (2, 2, False), (2, 2, True)]
+    dp, ep, chunked = rows
+    assert chunked["chunks"] == 3 and chunked["losses"] == "equal"
     assert all(r["losses"] == "equal" and r["step_s"] > 0 for r in rows)
     assert dp["a2a_s"] == dp["predicted_a2a_s"] == 0.0
     assert ep["a2a_s"] > 0 and ep["alone_s"] > 0 and ep["predicted_a2a_s"] > 0

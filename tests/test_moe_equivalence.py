@@ -39,17 +39,18 @@ def _uneven_routing(model, ids) -> bool:
     return len(set(counts[0].tolist())) > 1
 
 
-def _rank(rank: int, world: int, cases: list[tuple[dict, str]]) -> Failures:
+def _rank(rank: int, world: int, cases: list[tuple]) -> Failures:
     fails = Failures()
-    for pinned, optimizer in cases:
-        name = f"{pinned} {optimizer}"
+    for pinned, optimizer, *clip in cases:
+        name = f"{pinned} {optimizer}" + (f" clipped to {clip[0]}" if clip else "")
         torch.manual_seed(0)
         model = ah.models.preset("moe-tiny").double()
         batches = zoo_batches("moe-tiny", 8, steps=2)
         fails.check(f"{name}: routing is even", _uneven_routing(model, batches[0][0][0]))
         compiled, _ = train_and_compare(fails, name, model, batches, world, loss_fn=zoo_loss,
                                         optimizer=OPTIMIZERS[optimizer],
-                                        constraints=ah.Constraints(**pinned))
+                                        constraints=ah.Constraints(**pinned),
+                                        max_grad_norm=clip[0] if clip else None)
         ep = pinned.get("ep", 1)
         fails.check(f"{name}: mesh {compiled.plan.mesh}", compiled.plan.mesh.ep == ep)
         if "moe_chunks" in pinned:
@@ -64,7 +65,7 @@ def _rank(rank: int, world: int, cases: list[tuple[dict, str]]) -> Failures:
     return fails
 
 
-def _run(world: int, cases: list[tuple[dict, str]]) -> None:
+def _run(world: int, cases: list[tuple]) -> None:
     results = pool_launch(_rank, world, args=(world, cases), timeout_s=guard(200))
     assert results == [[]] * world, "\n".join(line for r in results for line in r)
 
@@ -74,6 +75,7 @@ def _run(world: int, cases: list[tuple[dict, str]]) -> None:
 def test_two_ranks():
     _run(2, [(dict(dp=2, ep=2), "sgd"), (dict(dp=2, ep=2), "adamw"),
              (dict(dp=2, ep=2, num_microbatches=2), "sgd"), (dict(dp=2, ep=2, zero=1), "adamw"),
+             (dict(dp=2, ep=2), "sgd", 0.05),     # the global norm counts each expert once
              (dict(dp=2), "sgd"), (dict(tp=2), "sgd"), (dict(pp=2, num_microbatches=2), "sgd")])
 
 
@@ -84,7 +86,8 @@ def test_four_ranks():
              (dict(dp=2, ep=2, tp=2), "adamw"), (dict(dp=2, ep=2, tp=2, sp=False), "sgd"),
              (dict(pp=2, dp=2, ep=2, num_microbatches=2), "adamw"),
              (dict(dp=4, ep=2, zero=1), "adamw"), (dict(dp=4, ep=2, zero=2), "sgd"),
-             (dict(dp=4, ep=4, moe_chunks=3, num_microbatches=2), "adamw")])
+             (dict(dp=4, ep=4, moe_chunks=3, num_microbatches=2), "adamw"),
+             (dict(dp=4, ep=2, zero=1), "sgd", 0.05)])
 
 
 def _checkpoint_rank(rank: int, directory: str) -> list[str]:

@@ -228,7 +228,8 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
         experts = v["moe_flops"] * replicated_share / (peak * MATMUL_EFFICIENCY)
         moe_chunks, forward_s, backward_s = moe_exchange(
             cluster, axis_ranks(mesh, "ep"), v["moe_routed"] * replicated_share * scale,
-            experts, layout.moe_chunks)
+            experts, layout.moe_chunks,
+            per_chunk_s=MOE_OPS_PER_CHUNK * device.launch_overhead_s)
         tp_comm += (2 if full else 1) * forward_s + backward_s
     saved = (v["saved_sharded"] / t + v["saved_replicated"] * replicated_share) * scale
     if layout.recompute == "selective":
@@ -243,17 +244,24 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
 
 #: chunk counts of a MoE layer's tokens the pricing chooses between (ops/moe.py)
 MOE_CHUNKS = (1, 2, 4, 8)
+#: ops one chunk of a MoE layer adds, forward and backward: its routing, exchanges and
+#: the per-expert loop over its rows (ops/moe.py: about 6 ops per expert forward, 12
+#: backward, over a few local experts)
+MOE_OPS_PER_CHUNK = 80
 
 
 def moe_exchange(cluster, ranks: tuple[int, ...], nbytes: float, experts_s: float,
-                 pinned: int | None = None) -> tuple[int, float, float]:
+                 pinned: int | None = None, per_chunk_s: float = 0.0
+                 ) -> tuple[int, float, float]:
     """(chunks, exposed forward seconds, exposed backward seconds) of a MoE layer's
     all-to-alls under ep: `nbytes` of routed rows dispatched and combined around
     `experts_s` of expert compute (backward: the gradients, around twice that), in C
     chunks (the pinned count, else the cheapest of MOE_CHUNKS). Chunk i computes while
     the link carries chunk i+1's dispatch and chunk i−1's combine, hidden as far as the
     link hides a collective started before compute (`comm.hidden_share`); the first
-    dispatch and the last combine are exposed; each chunk's all-to-all pays its latency."""
+    dispatch and the last combine are exposed; each chunk's all-to-all pays its latency,
+    and each chunk beyond the first its ops' overhead (`per_chunk_s`, counted with the
+    exchange)."""
     share = comm.hidden_share(cluster, ranks, "all_to_all")
 
     def exposed(c: int, compute: float) -> float:
@@ -262,7 +270,7 @@ def moe_exchange(cluster, ranks: tuple[int, ...], nbytes: float, experts_s: floa
         for i in range(c):
             link = d * ((i + 1 < c) + (i > 0))
             total += x + link - share * min(link, x)
-        return total - compute
+        return total - compute + (c - 1) * per_chunk_s / 2
 
     best = None
     for c in ([pinned] if pinned else MOE_CHUNKS):
