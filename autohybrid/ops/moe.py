@@ -1,7 +1,7 @@
 """A mixture-of-experts layer's experts as one op: dispatch, expert MLPs, combine.
 
-`moe_experts(x, top_k_index, top_k_weights, gate_up, down, num_experts, act, axis)` is
-what Hugging Face's `*Experts` modules compute (their 3-D weight layout, with
+`moe_experts(x, top_k_index, top_k_weights, gate_up, down, num_experts, act, axis,
+chunks=1)` is what Hugging Face's `*Experts` modules compute (their 3-D weight layout, with
 `gate_up[e]` of shape (2I, H), gate rows first, and `down[e]` of (H, I)):
 
     out[t] = Σ_j  top_k_weights[t, j] · down[e] · (act(gate[e]·x[t]) ⊙ up[e]·x[t]),
@@ -22,6 +22,12 @@ them. Backward runs the same two all-to-alls on the gradients in reverse. The ex
 weights' gradients are then sums over the tokens of every rank of the axis: reducing
 them over the ranks holding the same experts is the reducer's job, not this op's.
 
+`chunks` > 1 (under an axis): the tokens go in that many chunks of rows, and chunk i+1's
+dispatch (an asynchronous all-to-all) travels while chunk i's experts compute, chunk i's
+combine while chunk i+1's compute — forward and, for the gradients, backward. Every rank
+of the axis runs the same number of chunks (some may be empty); the counts of every chunk
+travel in one all-to-all first.
+
 Backward reuses what forward computed (the received rows, the gate/up projections, the
 expert outputs) when forward ran eagerly with autograd recording: the op's forward
 leaves them for the `setup_context` that autograd calls right after it, tied to the
@@ -30,6 +36,7 @@ output's identity. Where it did not (a traced forward), backward computes them a
 Example::
 
     out = moe_experts(x, idx, w, gate_up, down, 8, "silu", "")     # (T, H)
+    out = moe_experts(x, idx, w, gate_up[:2], down[:2], 8, "silu", "ep", 4)  # ep=4, 4 chunks
 """
 from __future__ import annotations
 
