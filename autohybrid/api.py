@@ -16,7 +16,8 @@ from .capture import as_tuple, capture
 from .checks import (check_global_batch, check_optimizer_factory, check_plan_before_capture,
                      check_trainable)
 from .cluster import Cluster
-from .errors import AutohybridError, NotExecutableError, PlanError, TrainingArgumentError
+from .errors import (AutohybridError, InputError, NotExecutableError, PlanError,
+                     TrainingArgumentError)
 from .plan import Constraints, Plan
 from .planning import dtype_name, make_plan
 from .runtime.precision import mixed_compute_dtype
@@ -51,7 +52,7 @@ def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
          constraints: Constraints | None = None, loss_fn: Callable | None = None,
          example_targets: Any = None, optimizer: str = "adam",
          model_ref: str | None = None, executable_only: bool = False,
-         calibration: Any = None) -> Plan:
+         calibration: Any = None, moe_load_skew: float = 0.0) -> Plan:
     """Choose a plan without starting processes (the model may live on the meta device).
 
     Executable means executed: the candidate it would choose is first rewritten for rank
@@ -64,7 +65,10 @@ def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
     every candidate that fits, the best comes back marked with the pass's reason.
     `executable_only=True` searches only what `ah.compile` can run today, as it does,
     and raises NotExecutableError instead. `calibration`: a profile from `ah.calibrate`
-    (or its JSON path) to price with this machine's measured figures.
+    (or its JSON path) to price with this machine's measured figures. `moe_load_skew`
+    (MoE models): how much more than the mean the busiest rank's experts receive under
+    expert parallelism (0.25: a quarter more), priced as that much more expert compute on
+    every ep rank; `ah.compile(..., plan=...)` runs a plan made so.
 
     With `example_targets` (and `loss_fn`, or None for a model that returns its loss
     given `labels=`) the plan is made on the training graph and names it, as
@@ -72,6 +76,10 @@ def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
     """
     cluster = _check_cluster(cluster)
     check_global_batch(global_batch)
+    if isinstance(moe_load_skew, bool) or not isinstance(moe_load_skew, (int, float)) \
+            or not moe_load_skew >= 0:
+        raise InputError(f"moe_load_skew must be a number >= 0 (0.25: the busiest rank's "
+                         f"experts get a quarter more rows), got {moe_load_skew!r}")
     inputs = as_tuple(example_inputs)
     if example_targets is not None:
         train = capture(model, inputs, loss_fn, example_targets)
@@ -80,7 +88,8 @@ def plan(model: nn.Module, cluster: Cluster, example_inputs: Any, *,
         train, named = None, capture(model, inputs, with_loss=False)
     return make_plan(named, train, model, cluster, inputs, global_batch, dtype, constraints,
                      optimizer, executable_only=executable_only, model_ref=model_ref,
-                     calibration=load_calibration(calibration))
+                     calibration=load_calibration(calibration),
+                     moe_load_skew=float(moe_load_skew))
 
 
 def compile(model: nn.Module, cluster: Cluster, example_inputs: Any, *,

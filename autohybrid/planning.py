@@ -72,8 +72,8 @@ def make_plan(named: CapturedGraph, train: CapturedGraph | None, model: nn.Modul
               cluster: Cluster, example_inputs: tuple, global_batch: int | None,
               dtype: torch.dtype | str | None, constraints: Constraints | None,
               optimizer: str, executable_only: bool, model_ref: str | None = None,
-              calibration: Any = None, trial: Callable[[Plan], str | None] | None = None
-              ) -> Plan:
+              calibration: Any = None, trial: Callable[[Plan], str | None] | None = None,
+              moe_load_skew: float = 0.0) -> Plan:
     """Search a plan for captured graphs (the training graph's costs when there is one).
 
     `named` is the graph the plan names (`Plan.model_hash`, checked when the plan is
@@ -111,7 +111,8 @@ def make_plan(named: CapturedGraph, train: CapturedGraph | None, model: nn.Modul
         optimizer=optimizer, constraints=constraints or Constraints(), model_ref=model_ref,
         has_batch_norm=bool(training_batch_norms(costed.gm)),
         pp_blockers=tuple(pipeline_blockers(costed.gm)),
-        calibration_hash=profile_.hash() if profile_ is not None else None)
+        calibration_hash=profile_.hash() if profile_ is not None else None,
+        moe_load_skew=moe_load_skew)
     if trial is None:
         trial = PassTrial(costed, rank=0, example_inputs=tuple(example_inputs))
     plan = search(profile, cluster, request, unsupported, executable_only, trial,

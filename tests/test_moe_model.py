@@ -212,3 +212,16 @@ def test_chunks_hide_the_exchange_behind_the_experts_as_far_as_the_link_hides_it
                                  lambda self, r, k: 0.0,
                                  "devices_per_node": cluster.devices_per_node})()
     assert moe_exchange(opaque, ranks, n, 0.01)[0] == 1
+
+
+def test_a_skewed_router_makes_expert_parallelism_dearer():
+    model = ah.models.preset("moe-tiny", device="meta", layers=2, hidden=64, heads=4,
+                             experts=8, expert_hidden=256)
+    (ids,), targets = ah.models.example_batch("moe-tiny", 16, device="meta")
+    kw = dict(loss_fn=moe_loss, example_targets=targets, constraints=ah.Constraints(dp=4, ep=4))
+    cluster = ah.Cluster.preset("dgx-h100", nodes=1)
+    fair = ah.plan(model, cluster, (ids,), **kw).predicted.step_time_s
+    skewed = ah.plan(model, cluster, (ids,), moe_load_skew=0.5, **kw).predicted.step_time_s
+    assert skewed > fair
+    with pytest.raises(ah.InputError, match="moe_load_skew"):
+        ah.plan(model, cluster, (ids,), moe_load_skew=-1, **kw)

@@ -81,6 +81,9 @@ class PlanRequest:
     #: `pipeline_blockers`): every pp > 1 layout is then not executable
     pp_blockers: tuple[str, ...] = ()
     calibration_hash: str | None = None
+    #: MoE under ep: how much more than the mean routed rows the busiest rank's experts
+    #: receive (0.2: 20 % more), priced as that much more expert compute
+    moe_load_skew: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -156,7 +159,8 @@ def search(profile: ModelProfile, cluster, request: PlanRequest,
                 priced = price(costed, cluster, layout, request.seq, request.dtype,
                                request.graph_dtype_bytes, request.optimizer,
                                request.global_batch, cache, stage_starts=starts,
-                               grad_reduce_dtype=request.constraints.grad_reduce_dtype)
+                               grad_reduce_dtype=request.constraints.grad_reduce_dtype,
+                               moe_load_skew=request.moe_load_skew)
                 candidates.append(Candidate(layout, priced, tuple(reasons)))
                 progress.tick(len(candidates))
                 if priced.fits:

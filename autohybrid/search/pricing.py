@@ -158,7 +158,7 @@ class LayerTimes:
 def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
                 dtype: str, graph_dtype_bytes: int, attention: str = "flash",
                 tp_overlap: float = 0.0, kv_heads: int | None = None,
-                vocab: int | None = None) -> LayerTimes:
+                vocab: int | None = None, moe_load_skew: float = 0.0) -> LayerTimes:
     mesh, b = layout.mesh, layout.microbatch_size
     t, sp = mesh.tp, mesh.sp
     v = layer.values(b, seq)
@@ -231,6 +231,8 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
             experts, layout.moe_chunks,
             per_chunk_s=MOE_OPS_PER_CHUNK * device.launch_overhead_s)
         tp_comm += (2 if full else 1) * forward_s + backward_s
+        # the busiest rank's extra rows: everyone waits for them, forward and backward
+        tp_comm += moe_load_skew * experts * ((2 if full else 1) + 2)
     saved = (v["saved_sharded"] / t + v["saved_replicated"] * replicated_share) * scale
     if layout.recompute == "selective":
         saved -= v["attention_saved"] / t * scale
@@ -487,7 +489,7 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
           cache: dict | None = None, attention: str = "flash",
           tp_overlap: float = 0.0, stage_starts: tuple[int, ...] | None = None,
           pipeline_grad_overlap: bool = False, grad_reduce_dtype: str | None = None,
-          grad_sync_overlap: bool = True) -> Priced:
+          grad_sync_overlap: bool = True, moe_load_skew: float = 0.0) -> Priced:
     """Predict `layout`; `cache` (any dict, kept across calls) reuses layer times and splits.
 
     `tp_overlap` is the share of tensor-parallel communication hidden behind compute (0 for
@@ -502,6 +504,8 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
     fp32 master weights' when `dtype` is 16-bit: memory.state_bytes_per_param's accounting).
     `grad_sync_overlap=False` prices the dp gradient sync after the backward, whole (the
     Megatron-LM of 2021, which all-reduced its gradients once backward was done).
+    `moe_load_skew`: under ep, the busiest rank's experts get that much more than the mean
+    routed rows (every rank waits for it in the all-to-all).
     """
     cache = {} if cache is None else cache
     if "links" not in cache:
@@ -518,7 +522,7 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
             if key not in cache:
                 cache[key] = layer_times(layer, cluster, layout, seq, dtype,
                                          graph_dtype_bytes, attention, tp_overlap,
-                                         profile.kv_heads, profile.vocab)
+                                         profile.kv_heads, profile.vocab, moe_load_skew)
             times.append(cache[key])
         chunked = tuple((layer.name, t.chunks) for layer, t in zip(profile.layers, times)
                         if t.chunks)
