@@ -225,3 +225,17 @@ def test_a_skewed_router_makes_expert_parallelism_dearer():
     assert skewed > fair
     with pytest.raises(ah.InputError, match="moe_load_skew"):
         ah.plan(model, cluster, (ids,), moe_load_skew=-1, **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_mixtral_on_64_gpus_is_planned_with_expert_parallelism_and_says_why():
+    from autohybrid.report.text import format_plan
+    model = ah.models.preset("mixtral-8x7b", device="meta")
+    (ids,), targets = ah.models.example_batch("mixtral-8x7b", 64, device="meta")
+    plan = ah.plan(model, ah.Cluster.preset("dgx-h100", nodes=8), (ids,), loss_fn=moe_loss,
+                   example_targets=targets)
+    assert plan.mesh.ep > 1 and plan.executable
+    line = next(line for line in format_plan(plan).splitlines() if "experts" in line)
+    assert f"split over ep = {plan.mesh.ep}" in line
+    assert "the best plan without expert parallelism" in line and "% step time" in line

@@ -24,6 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..plan import MemoryBreakdown, Plan
+from .text import experts_text, has_experts_choice
 
 NA = "n/a"
 DASH = "—"
@@ -129,6 +130,8 @@ def _summary_rows(plan: Plan) -> list[tuple[str, str]]:
         ("memory", f"{format_bytes(p.memory.total)} on the most loaded rank of "
                    f"{format_bytes(p.device_memory_bytes)}"),
     ]
+    if has_experts_choice(plan):
+        rows.append(("experts", experts_text(plan)))
     if not plan.executable:
         rows.append(("NOT EXECUTABLE", "; ".join(plan.not_executable_because)))
     return rows

@@ -43,9 +43,8 @@ def format_plan(plan: Plan) -> str:
                      f"{list(range(2, 2 + len(plan.mesh.spatial)))} on the tp axis; halos "
                      "exchanged before each convolution and pooling, BatchNorm statistics over "
                      "the tiles and dp, parameters whole on every rank")
-    if plan.mesh.ep > 1 or any((a.constraints and (a.constraints.ep or 1) > 1)
-                               for a in plan.alternatives):
-        lines.append(_experts_line(plan))
+    if has_experts_choice(plan):
+        lines.append(f"  experts         {experts_text(plan)}")
     if not plan.executable:
         lines.append("  NOT EXECUTABLE: " + "; ".join(plan.not_executable_because))
     if plan.alternatives:
@@ -55,20 +54,26 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def _experts_line(plan: Plan) -> str:
+def has_experts_choice(plan: Plan) -> bool:
+    """Whether the plan (or one of its alternatives) splits a MoE model's experts."""
+    return plan.mesh.ep > 1 or any(a.constraints is not None and (a.constraints.ep or 1) > 1
+                                   for a in plan.alternatives)
+
+
+def experts_text(plan: Plan) -> str:
     """Why the plan splits a MoE model's experts the way it does: against the best listed
     alternative with the other choice of expert parallelism."""
     ep = plan.mesh.ep
     if ep > 1:
-        what = (f"  experts         split over ep = {ep} of the {plan.mesh.dp} dp ranks: each "
+        what = (f"split over ep = {ep} of the {plan.mesh.dp} dp ranks: each "
                 f"rank holds 1/{ep} of every MoE layer's experts and sends each token to its "
                 f"experts' ranks and back by all-to-all, in {plan.moe_chunks} chunk(s) per "
                 f"MoE layer and microbatch (a chunk's exchange beside the previous chunk's "
                 f"experts; what stays exposed is priced); expert gradients are summed over the "
                 f"{plan.mesh.dp // ep} rank(s) holding the same experts")
     else:
-        what = ("  experts         whole on every rank (ep = 1): each rank computes every "
-                "expert for its own tokens, no all-to-all")
+        what = ("whole on every rank (ep = 1): each rank computes every expert for its own "
+                "tokens, no all-to-all")
     other = next((a for a in plan.alternatives if a.constraints is not None
                   and ((a.constraints.ep or 1) > 1) != (ep > 1)), None)
     if other is None:

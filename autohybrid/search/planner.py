@@ -612,11 +612,17 @@ def _alternatives(best: Candidate, candidates: list[Candidate]) -> tuple[Alterna
     refused = sorted((c for c in candidates if c.rejected is not None and c is not best),
                      key=_rank_key)
     # (a faster candidate that does not fit is often also the best of its shape: once)
+    # a MoE model: the best fitting plan with the other choice of expert parallelism
+    # (why the experts are split, or not: report/text.experts_text)
+    split = best.layout.mesh.ep > 1
+    contrast = [c for c in sorted(others, key=_rank_key)
+                if c.fits and (c.layout.mesh.ep > 1) != split][:1]
     chosen: list[Candidate] = []
     for c in (refused[:4] + sorted(faster, key=_rank_key)[:2]
               + sorted(others, key=lambda c: (not c.fits, _rank_key(c)))):
-        if len(chosen) < 8 and all(c is not d for d in chosen):
+        if len(chosen) < 8 - len(contrast) and all(c is not d for d in chosen):
             chosen.append(c)
+    chosen += [c for c in contrast if all(c is not d for d in chosen)]
     for c in chosen:
         p = c.priced.prediction
         if not c.fits:
