@@ -30,7 +30,7 @@ EXPERTS = 4
 def _uneven_routing(model, ids) -> bool:
     """Whether the first MoE layer routes the batch unevenly over its experts."""
     counts = []
-    moe = model.blocks[0].mlp
+    moe = next(b.mlp for b in model.blocks if hasattr(b.mlp, "experts"))
     hook = moe.experts.register_forward_pre_hook(
         lambda m, args: counts.append(torch.bincount(args[1].reshape(-1), minlength=EXPERTS)))
     with torch.no_grad():
@@ -41,16 +41,19 @@ def _uneven_routing(model, ids) -> bool:
 
 def _rank(rank: int, world: int, cases: list[tuple]) -> Failures:
     fails = Failures()
-    for pinned, optimizer, *clip in cases:
-        name = f"{pinned} {optimizer}" + (f" clipped to {clip[0]}" if clip else "")
+    for pinned, optimizer, *extra in cases:
+        clip = extra[0] if extra else None
+        overrides = extra[1] if len(extra) > 1 else {}
+        name = f"{pinned} {optimizer}" + (f" clipped to {clip}" if clip else "") + \
+            (f" {overrides}" if overrides else "")
         torch.manual_seed(0)
-        model = ah.models.preset("moe-tiny").double()
+        model = ah.models.preset("moe-tiny", **overrides).double()
         batches = zoo_batches("moe-tiny", 8, steps=2)
         fails.check(f"{name}: routing is even", _uneven_routing(model, batches[0][0][0]))
         compiled, _ = train_and_compare(fails, name, model, batches, world, loss_fn=zoo_loss,
                                         optimizer=OPTIMIZERS[optimizer],
                                         constraints=ah.Constraints(**pinned),
-                                        max_grad_norm=clip[0] if clip else None)
+                                        max_grad_norm=clip)
         ep = pinned.get("ep", 1)
         fails.check(f"{name}: mesh {compiled.plan.mesh}", compiled.plan.mesh.ep == ep)
         if "moe_chunks" in pinned:
@@ -59,9 +62,10 @@ def _rank(rank: int, world: int, cases: list[tuple]) -> Failures:
         if ep > 1:
             local = {n: p for n, p in compiled.sharded.local.items()
                      if compiled.sharded.specs[n].axis == "ep"}
+            moe_layers = 2 - overrides.get("dense_layers", 0) + overrides.get("layers", 2) - 2
             fails.check(f"{name}: expert slices {[tuple(p.shape) for p in local.values()]}",
-                        len(local) == 4 and all(p.shape[0] == EXPERTS // ep
-                                                for p in local.values()))
+                        len(local) == 2 * moe_layers and all(p.shape[0] == EXPERTS // ep
+                                                             for p in local.values()))
     return fails
 
 
@@ -76,6 +80,9 @@ def test_two_ranks():
     _run(2, [(dict(dp=2, ep=2), "sgd"), (dict(dp=2, ep=2), "adamw"),
              (dict(dp=2, ep=2, num_microbatches=2), "sgd"), (dict(dp=2, ep=2, zero=1), "adamw"),
              (dict(dp=2, ep=2), "sgd", 0.05),     # the global norm counts each expert once
+             # DeepSeek-V3's options: sigmoid scores, a routed scale, a dense first layer
+             (dict(dp=2, ep=2), "adamw", None, dict(layers=3, dense_layers=1,
+                                                    score="sigmoid", routed_scale=2.5)),
              (dict(dp=2), "sgd"), (dict(tp=2), "sgd"), (dict(pp=2, num_microbatches=2), "sgd")])
 
 
