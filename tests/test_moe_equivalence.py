@@ -172,3 +172,43 @@ def test_hugging_face_moe_under_expert_parallelism(world, cases):
     zoo's MoE model above."""
     results = pool_launch(_hf_rank, world, args=(world, cases), timeout_s=guard(200))
     assert results == [[]] * world, "\n".join(line for r in results for line in r)
+
+
+def _hf_aux_rank(rank: int) -> Failures:
+    """Mixtral with Hugging Face's load-balancing loss (over the whole batch's routing):
+    expert parallelism, which splits the batch, is refused with the reason; the planner's
+    own choice keeps the batch whole and trains like eager."""
+    import copy
+
+    from _equiv import compare_training
+    from autohybrid.models import coverage
+
+    fails = Failures()
+    case = coverage.build("mixtral")
+    case.model.config.output_router_logits = True
+    case.model.config.router_aux_loss_coef = 0.05
+    ref = copy.deepcopy(case.model)
+    inputs, targets = case.batches[0]
+    kw = dict(loss_fn=None, example_targets=targets, optimizer=OPTIMIZERS["sgd"])
+    try:
+        ah.compile(copy.deepcopy(case.model), ah.Cluster.local(2), inputs,
+                   constraints=ah.Constraints(dp=2, ep=2), **kw)
+        fails.append("ep=2 with a whole-batch balance loss was not refused")
+    except ah.PlanError as exc:
+        fails.check(f"refused for another reason: {exc}", "global_loss" in str(exc))
+    compiled = ah.compile(case.model, ah.Cluster.local(2), inputs, **kw)
+    fails.check(f"batch split: {compiled.plan.summary()}",
+                compiled.plan.mesh.dp == 1 and compiled.plan.num_microbatches == 1)
+    compare_training(fails, "mixtral + balance loss", compiled, ref,
+                     OPTIMIZERS["sgd"](list(ref.parameters())), case.batches[:2],
+                     case.eager_loss)
+    return fails
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not __import__("autohybrid.models.coverage", fromlist=["x"])
+                    .have_transformers(), reason="transformers")
+def test_a_whole_batch_balance_loss_is_refused_under_expert_parallelism():
+    results = pool_launch(_hf_aux_rank, 2, timeout_s=guard(200))
+    assert results == [[], []], results
