@@ -239,3 +239,17 @@ def test_mixtral_on_64_gpus_is_planned_with_expert_parallelism_and_says_why():
     line = next(line for line in format_plan(plan).splitlines() if "experts" in line)
     assert f"split over ep = {plan.mesh.ep}" in line
     assert "the best plan without expert parallelism" in line and "% step time" in line
+
+
+def test_expert_parallel_plans_round_trip_and_other_plans_keep_their_json():
+    from autohybrid.plan import Constraints as C
+    plain = _plan(4, 1)
+    assert '"ep"' not in plain.to_json() and '"moe_chunks"' not in plain.to_json()
+    plan = dataclasses.replace(plain, mesh=Mesh(dp=4, ep=2), moe_chunks=4)
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.hash() == plan.hash() != plain.hash()
+    assert again.mesh.describe() == "pp1×dp4(ep2)×tp1"
+    with pytest.raises(ah.PlanError, match="must divide mesh.dp"):
+        Mesh(dp=4, ep=3)
+    with pytest.raises(ah.PlanError, match="moe_chunks"):
+        C(moe_chunks=0)

@@ -42,11 +42,6 @@ def moe_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is MOE_EXPERTS]
 
 
-def expert_counts(gm: fx.GraphModule) -> list[int]:
-    """Experts of each MoE layer of `gm` (what an ep degree must divide)."""
-    return [int(schema_args(n)["num_experts"]) for n in moe_nodes(gm)]
-
-
 def expert_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     mesh = ctx.plan.mesh
     if mesh.ep == 1:
