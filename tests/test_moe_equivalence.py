@@ -212,3 +212,38 @@ def _hf_aux_rank(rank: int) -> Failures:
 def test_a_whole_batch_balance_loss_is_refused_under_expert_parallelism():
     results = pool_launch(_hf_aux_rank, 2, timeout_s=guard(200))
     assert results == [[], []], results
+
+
+def _check_rank(rank: int, world: int, pinned: dict, check: str, inject: bool) -> str:
+    if inject:   # expert slices summed over dp like every other gradient: wrong
+        from autohybrid.runtime import reducer
+        reducer.GradReducer._bucket = lambda self, params: reducer.Bucket(params,
+                                                                          group=self.group)
+    torch.manual_seed(0)
+    model = ah.models.preset("moe-tiny").double()
+    (batch,) = zoo_batches("moe-tiny", 8, steps=1)
+    compiled = ah.compile(model, ah.Cluster.local(world), batch[0], loss_fn=zoo_loss,
+                          example_targets=batch[1], optimizer=OPTIMIZERS["sgd"],
+                          constraints=ah.Constraints(**pinned), check=check)
+    try:
+        compiled.train_step(*batch)      # raises NumericsError where a gradient differs
+    except ah.NumericsError as exc:
+        return "caught" if "blocks.0.mlp.experts.gate_up_proj" in str(exc) else str(exc)
+    return compiled.plan.mesh.describe()
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world, pinned, check", [
+    (2, dict(dp=2, ep=2), "whole"),
+    (4, dict(pp=2, dp=2, ep=2, num_microbatches=2), "stage"),
+], ids=["whole", "stage"])
+def test_check_true_under_expert_parallelism(world, pinned, check):
+    """check=True compares the first step with a reference (eager, or the captured graph
+    stage by stage) on every rank, the expert slices gathered back: a right plan passes,
+    and with the expert gradients summed over dp instead of the ranks holding the same
+    experts it raises NumericsError naming the expert weight."""
+    for inject, expected in ((False, "(ep2)"), (True, "caught")):
+        results = pool_launch(_check_rank, world, args=(world, pinned, check, inject),
+                              timeout_s=guard(200))
+        assert len(set(results)) == 1 and expected in results[0], results
