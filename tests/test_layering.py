@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("errors", "logs", "graph", "hardware", "plan", "init", "blame",
                     "device_facts", "cluster", "features")),
     # ops with no autohybrid dependency beyond errors, which models and capture call
-    ("model ops", ("ops.groups", "ops.moe")),
+    ("model ops", ("ops.groups", "ops.partition", "ops.moe")),
     ("models", ("models",)),
     ("capture", ("capture", "capture_cache", "capture_blocks", "capture_probe",
                  "capture_splice", "capture_wire", "capture_moe", "batch_spec",

@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from ..errors import RuntimeFailure
 from . import groups
+from .partition import balanced_bounds
 
 #: activations of the gate projection, as Hugging Face names them (ACT2FN)
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
@@ -102,13 +103,7 @@ def chunk_bounds(tokens: int, chunks: int) -> list[tuple[int, int]]:
     """[start, stop) token rows of each of `chunks` chunks, as equal as they can be; some
     empty when there are fewer tokens than chunks (every rank of the axis runs the same
     number of chunks, each an all-to-all, whatever its share of the batch)."""
-    base, extra = divmod(tokens, chunks)
-    bounds, start = [], 0
-    for i in range(chunks):
-        stop = start + base + (i < extra)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
+    return balanced_bounds(tokens, chunks)
 
 
 def _route(top_k_index: torch.Tensor, num_experts: int, local_experts: int,

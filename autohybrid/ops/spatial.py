@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from ..errors import RuntimeFailure
 from . import groups
+from .partition import balanced_bounds
 
 Range = tuple[int, int]
 
@@ -56,13 +57,7 @@ def tile_bounds(size: int, parts: int) -> list[Range]:
     if parts < 1 or size < 0:
         raise RuntimeFailure(f"tile_bounds: cannot split {size} rows into {parts} tiles; "
                              "give size >= 0 and parts >= 1")
-    base, extra = divmod(size, parts)
-    bounds, lo = [], 0
-    for i in range(parts):
-        hi = lo + base + (i < extra)
-        bounds.append((lo, hi))
-        lo = hi
-    return bounds
+    return balanced_bounds(size, parts)
 
 
 def window_input_range(out_lo: int, out_hi: int, kernel: int, stride: int = 1,
