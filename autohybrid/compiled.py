@@ -216,10 +216,8 @@ class CompiledModel:
             self._owned = program.stage_params()
         zero3 = plan.zero == 3 and plan.mesh.dp > 1
         if plan.mesh.tp > 1 or plan.mesh.ep > 1:
-            axes = {"tp": (mesh.get_group("tp") if mesh is not None and plan.mesh.tp > 1
-                           else None, plan.mesh.tp),
-                    "ep": (ops_groups.get("ep") if mesh is not None and plan.mesh.ep > 1
-                           else None, plan.mesh.ep)}
+            axes = {axis: (ops_groups.get(axis) if mesh is not None and size > 1 else None,
+                           size) for axis, size in (("tp", plan.mesh.tp), ("ep", plan.mesh.ep))}
             self.sharded = ShardedParameters(model, program.param_shards, axes,
                                              None if zero3 else self._tp_shard)
             self.sharded.into_state(state)
