@@ -24,6 +24,7 @@ Models without Hugging Face experts are untouched.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Iterator
 
 import torch.nn as nn
@@ -38,6 +39,8 @@ _ACTIVATIONS = {"SiLUActivation": "silu", "SiLU": "silu", "GELUActivation": "gel
 
 
 def _interface():
+    if "transformers" not in sys.modules:   # no Hugging Face model can exist (importing
+        return None, None                   # transformers costs seconds)
     try:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _default_apply_gate
     except ImportError:   # a transformers without the experts interface

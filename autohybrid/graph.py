@@ -53,11 +53,24 @@ SYM_SIZE_OPS = frozenset({
 def op_name(node: fx.Node) -> str:
     """`aten.linear.default` for an OpOverload target, else the target's qualified name."""
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return f"{target.namespace}.{target._schema.name.split('::')[-1]}.{target._overloadname}"
     if isinstance(target, str):
         return target
-    return getattr(target, "__qualname__", repr(target))
+    try:
+        return _OP_NAMES[target]
+    except KeyError:
+        pass
+    except TypeError:  # an unhashable target
+        return getattr(target, "__qualname__", repr(target))
+    if isinstance(target, torch._ops.OpOverload):
+        name = f"{target.namespace}.{target._schema.name.split('::')[-1]}.{target._overloadname}"
+    else:
+        name = getattr(target, "__qualname__", repr(target))
+    _OP_NAMES[target] = name
+    return name
+
+
+#: op_name per target (the passes ask for it millions of times while planning)
+_OP_NAMES: dict = {}
 
 
 def schema_args(node: fx.Node) -> dict:

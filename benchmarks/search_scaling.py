@@ -42,7 +42,8 @@ NODES = [1, 8, 128, 384]
 DEPTHS = [24, 48, 96, 128]
 GPT3 = dict(hidden=12288, heads=96, vocab=51200, seq=2048)
 #: (model, nodes, global batch, goal in seconds) of the end-to-end `autohybrid plan` runs
-CLI_GOALS = [("gpt3-175b", 128, 1536, 10.0), ("gpt-1t", 384, 3072, 20.0)]
+CLI_GOALS = [("gpt3-175b", 128, 1536, 10.0), ("gpt-1t", 384, 3072, 20.0),
+             ("mixtral-8x7b", 8, 64, 10.0)]
 
 
 def _timed_capture(model, tokens, full: bool):

@@ -16,6 +16,7 @@ takes the reference degree from the node size.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import sympy
@@ -88,18 +89,38 @@ class LayoutCost:
         return total
 
 
+def _role(node: fx.Node) -> str:
+    """The module path of the node's innermost module with layer indices dropped
+    (``model.blocks.#.mlp.router``) and its op: the same linear of every repeated block."""
+    stack = node.meta.get("nn_module_stack") or {}
+    path = next(reversed(stack.values()))[0] if stack else node.name
+    return f"{_INDEX.sub('.#', path)} {op_name(node)}"
+
+
+_INDEX = re.compile(r"\.\d+(?=\.|$)")
+
+
 def choose_layout(gm: fx.GraphModule, rates: Rates) -> TensorParallelLayout:
-    """Megatron's layout with each open generic linear set to its cheaper choice."""
+    """Megatron's layout with each open generic linear set to its cheaper choice.
+
+    Coordinate descent over roles: the open linears of one module path in every repeated
+    block (`_role`) flip together, so a 32-layer model prices one trial per distinct
+    linear, not one per layer (each trial propagates the whole graph)."""
     cost = LayoutCost(gm, rates)
+    nodes = {n.name: n for n in gm.graph.nodes}
     choices: dict[str, str] = {}
     best = megatron_layout(gm, choices)
     best_cost = cost(best)
     improved = True
     while improved:
         improved = False
-        for name in list(best.open):
-            trial = dict(choices)
-            trial[name] = "replicate" if choices.get(name) == "column" else "column"
+        groups: dict[tuple[str, str], list[str]] = {}
+        for name in best.open:
+            groups.setdefault((_role(nodes[name]), choices.get(name, "replicate")),
+                              []).append(name)
+        for (_, current), names in groups.items():
+            flip = "replicate" if current == "column" else "column"
+            trial = dict(choices) | {name: flip for name in names}
             layout = megatron_layout(gm, trial)
             value = cost(layout)
             if value < best_cost * (1 - 1e-9):
