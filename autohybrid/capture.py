@@ -466,6 +466,7 @@ def _from_exported(ep: ExportedProgram, model: nn.Module, method: str, num_input
         elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
             constants[spec.target] = ep.constants[spec.target]
             node.meta[AH_ROLE] = "constant"
+            _refuse_parameter_as_constant(constants[spec.target], node, model)
         elif spec.kind == InputKind.USER_INPUT:
             node.meta[AH_ROLE] = "input" if user_index < num_inputs else "target"
             user_index += 1
@@ -486,6 +487,30 @@ def _from_exported(ep: ExportedProgram, model: nn.Module, method: str, num_input
         canonical={p: canonical.get(p, p) for p in params},
         mutated_buffers=mutated, user_outputs=user_outputs,
         dim_roles=_dim_roles(gm), method=method, with_loss=with_loss)
+
+
+def _refuse_parameter_as_constant(value: Any, node: fx.Node, model: nn.Module) -> None:
+    """CaptureError when the lifted constant `value` is a trainable parameter of `model`.
+
+    torch.export lifts a tensor the traced code reads other than through a module
+    attribute as a constant: a loss_fn that closes over `model.fc.weight` (an L2 penalty
+    written as `lambda out, t: ce(out, t) + lam * w.pow(2).sum()`) gets a detached copy,
+    and the compiled model would train without that term's gradient. Meta tensors share
+    no storage to compare and are not checked (planning only)."""
+    if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+        return
+    storage = value.untyped_storage().data_ptr()
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.device == value.device and \
+                p.untyped_storage().data_ptr() == storage:
+            users = ", ".join(f"{u.name} ({u.target})" for u in node.users) or "none"
+            raise CaptureError(
+                f"the traced code reads the model's parameter {name!r} other than through "
+                f"the model (a loss_fn closing over it, e.g. a weight penalty): torch.export "
+                f"lifts it as a constant, so its gradient would be lost (used by {users}). "
+                f"Compute the term in the model's forward and return it with the output "
+                f"(loss_fn(outputs, targets) then adds it), or use the optimizer's "
+                f"weight_decay")
 
 
 def _without_tensors(ep: ExportedProgram) -> ExportedProgram:

@@ -162,7 +162,9 @@ def _hf_rank(rank: int, world: int, cases: list[tuple[str, dict, str]]) -> Failu
                     .have_transformers(), reason="transformers")
 @pytest.mark.parametrize("world, cases", [
     (2, [("mixtral", dict(dp=2, ep=2), "sgd"), ("qwen2_moe", dict(dp=2, ep=2, zero=1), "sgd")]),
-    (4, [("mixtral", dict(dp=4, ep=4), "sgd"), ("qwen2_moe", dict(dp=2, ep=2, tp=2), "sgd")]),
+    (4, [("mixtral", dict(dp=4, ep=4), "sgd"), ("qwen2_moe", dict(dp=2, ep=2, tp=2), "sgd"),
+         ("qwen2_moe", dict(dp=4, ep=2), "sgd"),
+         ("mixtral", dict(pp=2, dp=2, ep=2, num_microbatches=2), "sgd")]),
 ], ids=["2-ranks", "4-ranks"])
 def test_hugging_face_moe_under_expert_parallelism(world, cases):
     """SGD only, as the model coverage sweep: these tiny Hugging Face models have gradient
@@ -174,44 +176,66 @@ def test_hugging_face_moe_under_expert_parallelism(world, cases):
     assert results == [[]] * world, "\n".join(line for r in results for line in r)
 
 
-def _hf_aux_rank(rank: int) -> Failures:
-    """Mixtral with Hugging Face's load-balancing loss (over the whole batch's routing):
-    expert parallelism, which splits the batch, is refused with the reason; the planner's
-    own choice keeps the batch whole and trains like eager."""
+def _hf_aux_rank(rank: int, world: int, cases: list[tuple[str, dict, str]]) -> Failures:
+    """Hugging Face MoE models with their load-balancing loss (`output_router_logits`):
+    the tokens each expert received over the whole batch's routing, every layer's, times
+    the mean router probability, added to the cross-entropy. Split over dp and ep, each
+    rank adds the shards' partial sums (autohybrid::batch_sum) and trains like eager; with
+    microbatches, whose backward starts before the next one's sums exist, the plan is
+    refused with the reason."""
     import copy
 
     from _equiv import compare_training
     from autohybrid.models import coverage
 
     fails = Failures()
-    case = coverage.build("mixtral")
-    case.model.config.output_router_logits = True
-    case.model.config.router_aux_loss_coef = 0.05
-    ref = copy.deepcopy(case.model)
-    inputs, targets = case.batches[0]
-    kw = dict(loss_fn=None, example_targets=targets, optimizer=OPTIMIZERS["sgd"])
-    try:
-        ah.compile(copy.deepcopy(case.model), ah.Cluster.local(2), inputs,
-                   constraints=ah.Constraints(dp=2, ep=2), **kw)
-        fails.append("ep=2 with a whole-batch balance loss was not refused")
-    except ah.PlanError as exc:
-        fails.check(f"refused for another reason: {exc}", "global_loss" in str(exc))
-    compiled = ah.compile(case.model, ah.Cluster.local(2), inputs, **kw)
-    fails.check(f"batch split: {compiled.plan.summary()}",
-                compiled.plan.mesh.dp == 1 and compiled.plan.num_microbatches == 1)
-    compare_training(fails, "mixtral + balance loss", compiled, ref,
-                     OPTIMIZERS["sgd"](list(ref.parameters())), case.batches[:2],
-                     case.eager_loss)
+    for name, pinned, optimizer in cases:
+        case = coverage.build(name)
+        case.model.config.output_router_logits = True
+        case.model.config.router_aux_loss_coef = 0.5   # large: a wrong term shows
+        ref = copy.deepcopy(case.model)
+        inputs, targets = case.batches[0]
+        kw = dict(loss_fn=None, example_targets=targets, optimizer=OPTIMIZERS[optimizer],
+                  constraints=ah.Constraints(**pinned))
+        what = f"{name} + balance loss {pinned} {optimizer}"
+        if pinned.get("num_microbatches", 1) > 1:
+            try:
+                ah.compile(case.model, ah.Cluster.local(world), inputs, **kw)
+                fails.append(f"{what}: not refused")
+            except ah.PlanError as exc:
+                fails.check(f"{what}: refused for another reason: {exc}",
+                            "statistics of the whole batch" in str(exc)
+                            and "one microbatch" in str(exc))
+            continue
+        compiled = ah.compile(case.model, ah.Cluster.local(world), inputs, **kw)
+        fails.check(f"{what}: plan {compiled.plan.summary()}",
+                    compiled.plan.mesh.ep == pinned.get("ep", 1)
+                    and compiled.plan.mesh.dp == pinned.get("dp", 1))
+        compare_training(fails, what, compiled, ref, OPTIMIZERS[optimizer](
+            list(ref.parameters())), case.batches[:2], _model_loss)
     return fails
+
+
+def _model_loss(model, inputs, targets):
+    """Eager: the model's own loss, cross-entropy plus the balance term (checked there)."""
+    out = model(*inputs, labels=targets)
+    assert out.aux_loss is not None and float(out.aux_loss) > 0
+    return out.loss
 
 
 @pytest.mark.procs
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not __import__("autohybrid.models.coverage", fromlist=["x"])
                     .have_transformers(), reason="transformers")
-def test_a_whole_batch_balance_loss_is_refused_under_expert_parallelism():
-    results = pool_launch(_hf_aux_rank, 2, timeout_s=guard(200))
-    assert results == [[], []], results
+@pytest.mark.parametrize("world, cases", [
+    (2, [("mixtral", dict(dp=2, ep=2), "sgd"), ("mixtral", dict(dp=2), "sgd"),
+         ("qwen2_moe", dict(dp=2, ep=2, zero=1), "sgd"),
+         ("mixtral", dict(dp=2, ep=2, num_microbatches=2), "sgd")]),
+    (4, [("mixtral", dict(dp=4, ep=4), "sgd"), ("qwen2_moe", dict(dp=2, ep=2, tp=2), "sgd")]),
+], ids=["2-ranks", "4-ranks"])
+def test_hugging_face_balance_loss_over_the_whole_batch_under_expert_parallelism(world, cases):
+    results = pool_launch(_hf_aux_rank, world, args=(world, cases), timeout_s=guard(200))
+    assert results == [[]] * world, "\n".join(line for r in results for line in r)
 
 
 def _check_rank(rank: int, world: int, pinned: dict, check: str, inject: bool) -> str:

@@ -10,3 +10,4 @@ from . import dropout  # noqa: F401  (eager-exact dropout on tensor-parallel sha
 from . import fused  # noqa: F401  (autohybrid::fused_region: generated kernels)
 from . import spatial  # noqa: F401  (halo exchange and tiles: spatial parallelism)
 from . import moe  # noqa: F401  (autohybrid::moe_experts: MoE experts, expert parallelism)
+from . import batch_sum  # noqa: F401  (autohybrid::batch_sum: whole-batch statistics)

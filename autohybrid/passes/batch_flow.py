@@ -25,6 +25,11 @@ Each value gets a `Flow`:
   samples (they count over the whole batch) and are accepted in one place only: as the
   group offsets of a grouped matmul over rows sorted by π, where row r then belongs to
   group key(π(r)) — a function of its own source row.
+- ``partial``: a sum over the shard's samples whose sum over the shards is the whole
+  batch's (a sum over the batch dim; `histc` with a fixed range of batched values; a
+  batch-size expression of degree one in the batch, `scalar_tensor(b·T)`). Accepted only
+  as the input of `autohybrid::batch_sum`, which adds the shards' partial sums over dp
+  and is rep (passes/global_loss.py inserts it for whole-batch statistics in a loss).
 - ``unknown``: not proven; carries the node where the proof failed and why.
 
 Integer values may also be *pointers*: `ptr` names the space their values index
@@ -56,8 +61,9 @@ arange(N)` (an index_put with a permutation) and `out[perm] = rows` send perm ro
 to split ones; `histc` / `bincount` of π's keys with one bin per key value, its
 `cumsum`, and a grouped matmul over π's rows with those offsets follow the rule above.
 Capacity-limited routing (a token's slot depends on the tokens before it in the batch,
-`cumsum` along the batch), load-balancing losses (counts reaching the loss) and batch
-statistics stay unknown. In-place writes update the value written and mark its other
+`cumsum` along the batch) and batch statistics stay unknown; sums over the batch are
+partial, rep once `autohybrid::batch_sum` adds them over the shards (a load-balancing
+loss term: passes/batch_stats.py). In-place writes update the value written and mark its other
 aliases unknown when the write changes how they depend on the batch.
 
 Each rule claims rep / split / perm only when the op's semantics give it for every split
@@ -80,8 +86,8 @@ import torch.fx as fx
 
 from ..graph import AH_ROLE, SYM_SIZE_OPS, VAL, op_name, schema_args
 
-REP, SPLIT, PERM, COUNTS, OFFSETS, BSIZE, UNKNOWN = (
-    "rep", "split", "perm", "counts", "offsets", "batch-size", "unknown")
+REP, SPLIT, PERM, COUNTS, OFFSETS, BSIZE, PARTIAL, UNKNOWN = (
+    "rep", "split", "perm", "counts", "offsets", "batch-size", "partial", "unknown")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +174,20 @@ class _Sizes:
 
     def batch_dims(self, shape) -> list[int]:
         return [i for i, s in enumerate(shape) if self.has_batch(s)]
+
+    def additive(self, size: Any) -> bool:
+        """Whether the number `size` is proportional to the batch: scaling every batch
+        symbol by t scales it by t (`2·b·T`; not `b·b`, `b + 1`), so the shards' values
+        add up to the whole batch's."""
+        e = self.expr(size)
+        symbols = getattr(e, "free_symbols", set()) & self.batch
+        if not symbols:
+            return False
+        # torch's int → float conversion (sym_float) keeps the value
+        e = e.replace(lambda x: getattr(x.func, "__name__", "") == "ToFloat",
+                      lambda x: x.args[0])
+        t = sympy.Symbol("_scale", positive=True)
+        return sympy.expand(e.xreplace({b: t * b for b in symbols}) - t * e) == 0
 
     def divisible(self, size: Any, k: int) -> bool:
         """Whether the per-sample block of `size` (b·c) is a multiple of k for any c."""
@@ -367,6 +387,7 @@ class BatchFlow:
                 node, f"{node.op} {node.target} is not analysed")
             return
         try:
+            self._partial_only_summed(node)
             result = self._rule(node)
         except _Fail as exc:
             result = unknown(node, str(exc))
@@ -376,6 +397,16 @@ class BatchFlow:
         written = _written_arg(node)
         if written is not None:
             self._mutate(node, written, result)
+
+    def _partial_only_summed(self, node: fx.Node) -> None:
+        """A partial sum goes into `autohybrid::batch_sum` and nowhere else (the shards'
+        values of anything else computed from it need not add up to the batch's)."""
+        if op_name(node) == "autohybrid.batch_sum.default":
+            return
+        for a in node.all_input_nodes:
+            f = self.flows.get(a)
+            if isinstance(f, Flow) and f.kind == PARTIAL:
+                raise _Fail(f"it computes with {a.name!r}, which is {_describe(f)}")
 
     def _placeholder(self, node: fx.Node) -> Flow:
         if self._inputs is not None:  # a subgraph: its arguments' flows, in order
@@ -406,7 +437,7 @@ class BatchFlow:
                 return _BSIZE
             return f
         dims = self.sizes.batch_dims(val.shape)
-        if f.kind in (REP, COUNTS, OFFSETS, BSIZE):
+        if f.kind in (REP, COUNTS, OFFSETS, BSIZE, PARTIAL):
             if dims:
                 return unknown(node, "its shape depends on the batch size in a way not "
                                      "analysed")
@@ -553,7 +584,7 @@ class BatchFlow:
         for arg, f in items:
             if f.kind == UNKNOWN:
                 return f
-            if f.kind in (COUNTS, OFFSETS, BSIZE):
+            if f.kind in (COUNTS, OFFSETS, BSIZE, PARTIAL):
                 raise _Fail(f"it computes with {getattr(arg, 'name', arg)!r}, which is "
                             f"{_describe(f)}")
             if f.kind == REP:
@@ -667,6 +698,8 @@ def _describe(f: Flow) -> str:
         return "a running count over the whole batch"
     if f.kind == BSIZE:
         return "a number that depends on the batch size"
+    if f.kind == PARTIAL:
+        return "a sum over this shard's samples only (a statistic of the whole batch)"
     return f.kind
 
 
@@ -679,6 +712,13 @@ def _exact_ints(dtype: torch.dtype) -> int:
 @_rule(*_names(_FACTORIES, _RANDOM))
 def _factory(self: BatchFlow, node: fx.Node) -> Flow:
     packet = _packet(op_name(node))
+    if packet == "aten.scalar_tensor":
+        value = schema_args(node).get("s")
+        if isinstance(value, fx.Node) and self.flow(value).kind == BSIZE:
+            if not self.sizes.additive(value.meta.get(VAL)):
+                raise _Fail(f"it computes with {value.name!r}, a number that depends on the "
+                            "batch size other than in proportion to it")
+            return Flow(PARTIAL)
     self._scalars_rep(node, ("size", "stride", "self", "n"))  # fill values, bounds: rep
     if packet == "aten.randperm" and self.sizes.has_batch(node.meta[VAL].shape[0]):
         raise _Fail("a random permutation of the batch")
@@ -1026,7 +1066,7 @@ def _pad(self: BatchFlow, node: fx.Node) -> Flow:
 
 
 def _reduced(self: BatchFlow, node: fx.Node, x: Any, dims: Any, keepdim: bool,
-             what: str = "reduces") -> Flow:
+             what: str = "reduces", additive: bool = False) -> Flow:
     f = self.flow(x)
     rank = _rank(x)
     if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
@@ -1042,6 +1082,8 @@ def _reduced(self: BatchFlow, node: fx.Node, x: Any, dims: Any, keepdim: bool,
     if f.ptr is not None:
         raise _Fail("it reduces sample indices")
     if f.dim in dims:
+        if additive:   # a sum: the shards' sums add up to the whole batch's
+            return Flow(PARTIAL)
         raise _Fail(f"it {what} over the batch dim (a statistic of the whole batch)")
     return f.moved(f.dim if keepdim else f.dim - sum(1 for d in dims if d < f.dim))
 
@@ -1057,7 +1099,9 @@ def _reduction(self: BatchFlow, node: fx.Node) -> Any:
     keepdim = bool(kw.get(keep_key, False)) if keep_key else False
     if packet in ("aten.max", "aten.min") and "other" in kw:  # element-wise max/min
         return self._pointwise(node)
-    f = _reduced(self, node, x, dims, keepdim)
+    f = _reduced(self, node, x, dims, keepdim,
+                 additive=packet in ("aten.sum", "aten.nansum")
+                 and not isinstance(node.meta[VAL], (list, tuple)))
     out = node.meta[VAL]
     indices = packet in ("aten.max", "aten.min", "aten.kthvalue", "aten.median", "aten.mode",
                          "aten.argmax", "aten.argmin")
@@ -1184,6 +1228,9 @@ def _histogram(self: BatchFlow, node: fx.Node) -> Flow:
         bins = kw.get("minlength", 0)
         one_per_key = kw.get("weights") is None and isinstance(bins, int) and bins >= 1
     if pi is None or not one_per_key or f.bound is None or f.bound > bins:
+        if _packet(op_name(node)) == "aten.histc" and isinstance(lo, (int, float)) and \
+                isinstance(hi, (int, float)) and lo < hi and f.batched and f.ptr is None:
+            return Flow(PARTIAL)   # counts in fixed bins: the shards' counts add up
         raise _Fail("it counts values over the whole batch (only the per-group counts of "
                     "keys sorted across the batch, one bin per key, are understood)")
     return Flow(COUNTS, perm=pi, groups=bins)
@@ -1221,6 +1268,20 @@ def _grouped_mm(self: BatchFlow, node: fx.Node) -> Flow:
 
 
 BatchFlow._grouped_mm = _grouped_mm
+
+
+@_rule("autohybrid.batch_sum")
+def _batch_sum(self: BatchFlow, node: fx.Node) -> Flow:
+    """ops/batch_sum.py: the shards' partial sums added over the batch's ranks: the whole
+    batch's value on every rank. Only partial sums qualify: the sum over the ranks of a
+    value each holds whole (rep) would count it once per rank."""
+    f = self.flow(node.args[0])
+    if f.kind == UNKNOWN:
+        return f
+    if f.kind != PARTIAL:
+        raise _Fail(f"it adds {node.args[0].name!r} over the batch's ranks, which is "
+                    f"{_describe(f)}, not a sum over the shard's samples")
+    return _REP
 
 
 @_rule("autohybrid.moe_experts")

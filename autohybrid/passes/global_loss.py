@@ -21,6 +21,14 @@ node), and buffers updated in place must not depend on the batch; nor may what t
 does besides its values (passes/batch_effects.py: gradients scaled by batch counts,
 running statistics, writes into parameters and buffers), refused naming the module.
 
+A loss `main + term`, `term` without a batch dim (a model's regularizer, Hugging Face's
+MoE load-balancing loss over the whole batch's routing), splits too: `main` as above, and
+each shard's numerator becomes `numerator + denominator · term` (kind "mean"; "sum":
+`numerator + term / shards`), so the shards' numerators add up to eager's loss and each
+shard back-propagates the term weighted by its share of the denominator. Statistics of
+the whole batch in the term (sums over the samples, the batch's size) are added over dp
+first (passes/batch_stats.py); those need one microbatch and no pipeline.
+
 Example::
 
     gm = global_loss(gm, ctx)
@@ -37,6 +45,7 @@ from ..graph import (AH_PASS, AH_ROLE, VAL, op_name, output_node, placeholders, 
                      propagate_fake, source_line)
 from .batch_effects import describe, split_batch_effect
 from .batch_flow import REP, SPLIT, UNKNOWN, BatchFlow, Flow
+from .batch_stats import globalize, loss_terms
 from .manager import PassContext
 
 aten = torch.ops.aten
@@ -66,17 +75,25 @@ def global_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     stats = ctx.notes.get("stats_output_index")   # per-sample statistics (sample_stats.py)
     per_sample = outputs[stats] if stats is not None else None
     reduction = _find_reduction(loss)
-    mixed = reduction is not None and not _has_batch_dim(reduction.args[0], _batch_symbols(gm))
     graph = gm.graph
     created: list[fx.Node] = []
     shards = ctx.plan.mesh.dp * ctx.plan.num_microbatches
+    whole = term = None   # loss = main + term, term the same on every shard
+    if reduction is None and shards > 1:
+        split = _main_and_term(gm, loss)
+        if split is not None:
+            whole, (loss, term, reduction) = loss, split
+            created += _global_term(gm, ctx, whole, term, shards)
+    mixed = reduction is not None and not _has_batch_dim(reduction.args[0], _batch_symbols(gm))
     if shards > 1 and reduction is not None and not mixed:
-        _refuse_sample_mixing(gm, loss, reduction, shards, per_sample)
+        _refuse_sample_mixing(gm, whole or loss, reduction, shards, per_sample)
     if reduction is None or mixed:
         kind, denominator = "opaque", None
     else:
+        position = whole.args.index(loss) if whole is not None else None
         kind, denominator = _rewrite(gm, reduction, created)
-        loss = out.args[0][index]  # the rewrite replaces the loss node when it is the mean
+        # the rewrite replaces the loss node when it is the mean
+        loss = out.args[0][index] if whole is None else whole.args[position]
     if kind == "opaque":
         why = (f" (its final reduction {reduction.name!r} reduces {reduction.args[0].name!r}, "
                "which has no batch dimension left: samples were combined before it, e.g. "
@@ -93,14 +110,66 @@ def global_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             denominator = graph.call_function(aten.scalar_tensor.default, (1.0,),
                                               {"dtype": loss.meta[VAL].dtype})
         created.append(denominator)
+    if term is not None:   # each shard's numerator + its share of the term
+        with graph.inserting_before(out):
+            share = (graph.call_function(aten.mul.Tensor, (term, denominator))
+                     if kind == "mean" else
+                     graph.call_function(aten.mul.Tensor, (term, 1.0 / shards)))
+            loss = graph.call_function(aten.add.Tensor, (loss, share))
+        created += [share, loss]
     for node in created:
         node.meta[AH_PASS] = "global_loss"
     propagate_fake(gm, created)
     outputs[index] = loss
     outputs.append(denominator)
     out.args = (tuple(outputs),)
+    if whole is not None:   # (`loss += term` would add in place into the new numerator)
+        graph.erase_node(whole)
     ctx.notes["loss_kind"] = kind
     return gm
+
+
+def _main_and_term(gm: fx.GraphModule, loss: fx.Node
+                   ) -> tuple[fx.Node, fx.Node, fx.Node] | None:
+    """(main, term, main's reduction) when the loss is main + term, main a reduction of
+    per-sample values (`_find_reduction`) and term without a batch dim (a regularizer, a
+    load-balancing loss over the whole batch's routing); else None."""
+    terms = loss_terms(loss)
+    if terms is None or len(loss.users) != 1:
+        return None
+    batch = _batch_symbols(gm)
+    for main, term in (terms, terms[::-1]):
+        reduction = _find_reduction(main)
+        if reduction is not None and _has_batch_dim(reduction.args[0], batch) \
+                and term.meta[VAL].dim() == 0 and not _has_batch_dim(term, batch):
+            return main, term, reduction
+    return None
+
+
+def _global_term(gm: fx.GraphModule, ctx: PassContext, whole: fx.Node, term: fx.Node,
+                 shards: int) -> list[fx.Node]:
+    """Make `term` the whole batch's value on every shard (batch_stats.globalize), or
+    raise PlanError saying why it cannot be; the nodes created, fake values filled."""
+    created = globalize(gm, term, _flows(gm), "dp")
+    propagate_fake(gm, created)
+    where = f"the loss term {term.name!r} (`{source_line(term)}`)"
+    if created and (ctx.plan.num_microbatches > 1 or ctx.plan.mesh.pp > 1):
+        raise PlanError(
+            f"{where} is computed from statistics of the whole batch (sums over every "
+            f"sample, e.g. a load-balancing loss over the batch's routing): the shards add "
+            f"them up before the backward, which {ctx.plan.num_microbatches} microbatches "
+            f"and {ctx.plan.mesh.pp} pipeline stages cannot do (the backward of one "
+            "microbatch starts before the next one's forward). Run it with one microbatch "
+            "and pp=1, or compute the term per sample")
+    flow = _flows(gm).flow(term)
+    if flow.kind != REP:
+        culprit = flow.culprit if flow.kind == UNKNOWN else term
+        why = flow.why if flow.kind == UNKNOWN else f"it is {flow.kind}"
+        raise PlanError(
+            f"{where} is added to the loss but not proven the whole batch's value on every "
+            f"shard: node {culprit.name!r} ({op_name(culprit)}, `{source_line(culprit)}`): "
+            f"{why}. Run with dp=1 and one microbatch, or compute the term per sample")
+    return created
 
 
 def _refuse_sample_mixing(gm: fx.GraphModule, loss: fx.Node, reduction: fx.Node,

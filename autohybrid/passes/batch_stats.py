@@ -1,0 +1,105 @@
+"""Whole-batch statistics in a loss term: each shard's partial sums added over dp.
+
+Hugging Face's MoE models (Mixtral, Qwen2-MoE, ...) with `output_router_logits` train on
+
+    loss = cross_entropy(logits, labels) + coef · balance(router logits of the whole batch)
+
+where the balance term divides the tokens each expert received, counted over every token
+of the batch, by the batch's token count: a product of two batch-wide means, not a sum of
+per-sample terms, so data-parallel shards cannot each compute a part of it.
+`globalize` makes it exact: every value of the term's dataflow that is a sum over the
+shard's samples (`passes/batch_flow.py` proves these `partial`: a `sum` over the batch
+dim, `histc` with fixed bins, a batch-size number such as the token count used as a
+value) is followed by `autohybrid::batch_sum` over dp, which adds the shards' partial
+sums; everything after it is then the whole batch's value on every rank. Gradients: the
+op's backward adds the ranks' gradients the same way (ops/batch_sum.py), and
+global_loss.py back-propagates the term on each rank weighted by that rank's share of
+the loss's denominator, so the data-parallel gradient sum gives eager's gradient.
+
+The partial sums of all microbatches must be added before any backward, so a term that
+needs them runs with one microbatch and no pipeline (refused otherwise, with the reason).
+
+Example::
+
+    main, term = loss_terms(loss)              # cross-entropy, 0.02 · balance
+    created = globalize(gm, term, flows, "dp")  # batch_sum after each partial sum
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .. import ops  # noqa: F401  (registers autohybrid::batch_sum)
+from ..graph import AH_PASS, SYM_SIZE_OPS, VAL, op_name, schema_args
+from .batch_flow import BSIZE, PARTIAL, BatchFlow, Flow
+
+_BATCH_SUM = torch.ops.autohybrid.batch_sum.default
+_SCALAR_TENSOR = torch.ops.aten.scalar_tensor.default
+_ADDS = {"aten.add.Tensor", "aten.add_.Tensor"}
+
+
+def loss_terms(loss: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+    """(a, b) when `loss` is the tensor sum a + b (`add`, or `add_` as `loss += ...`,
+    alpha 1), else None."""
+    if loss.op != "call_function" or op_name(loss) not in _ADDS:
+        return None
+    kw = schema_args(loss)
+    a, b = kw.get("self"), kw.get("other")
+    if kw.get("alpha", 1) != 1 or not isinstance(a, fx.Node) or not isinstance(b, fx.Node):
+        return None
+    if not all(isinstance(x.meta.get(VAL), torch.Tensor) for x in (a, b)):
+        return None
+    return a, b
+
+
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """`node` and every node its value is computed from."""
+    seen, todo = {node}, [node]
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return seen
+
+
+def globalize(gm: fx.GraphModule, term: fx.Node, flows: BatchFlow, axis: str
+              ) -> list[fx.Node]:
+    """Insert `autohybrid::batch_sum(., axis)` after each partial sum `term` is computed
+    from, and for each batch-size number an element-wise op of `term`'s dataflow uses as
+    a value; return the new nodes (fake values still to fill). Uses outside the term's
+    dataflow keep the shard's values."""
+    graph = gm.graph
+    cone = ancestors(term)
+    created: list[fx.Node] = []
+    for node in [n for n in graph.nodes if n in cone and n.op == "call_function"]:
+        f = flows.flows.get(node)
+        if isinstance(f, Flow) and f.kind == PARTIAL:
+            users = [u for u in node.users if u in cone]
+            with graph.inserting_after(node):
+                total = graph.call_function(_BATCH_SUM, (node, axis))
+            for user in users:
+                user.replace_input_with(node, total)
+            created.append(total)
+        elif _elementwise(node):
+            for a in list(node.all_input_nodes):
+                if not isinstance(a.meta.get(VAL), torch.Tensor) and \
+                        flows.flow(a).kind == BSIZE:
+                    with graph.inserting_before(node):
+                        count = graph.call_function(_SCALAR_TENSOR, (a,),
+                                                    {"dtype": node.meta[VAL].dtype})
+                        total = graph.call_function(_BATCH_SUM, (count, axis))
+                    node.replace_input_with(a, total)
+                    created += [count, total]
+    for node in created:
+        node.meta[AH_PASS] = "global_loss"
+    return created
+
+
+def _elementwise(node: fx.Node) -> bool:
+    """A floating-point element-wise tensor op (where a Python number operand and a 0-dim
+    tensor of the result's dtype compute alike)."""
+    target, val = node.target, node.meta.get(VAL)
+    return isinstance(target, torch._ops.OpOverload) and target not in SYM_SIZE_OPS \
+        and torch.Tag.pointwise in target.tags and isinstance(val, torch.Tensor) \
+        and val.is_floating_point()
