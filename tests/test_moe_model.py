@@ -63,6 +63,22 @@ def test_experts_are_initialized_and_the_balance_loss_is_per_sequence():
     assert isinstance(_tiny(aux_loss_coef=0.0)(ids), torch.Tensor)
 
 
+def test_routes_past_an_experts_capacity_in_a_sequence_are_dropped():
+    """capacity = ceil(1.0 · T=4 · k=2 / E=4) = 2 routes per expert and sequence; first
+    choices queue before second ones, each in token order."""
+    moe = _tiny(capacity_factor=1.0).blocks[0].mlp
+    index = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0],      # sequence 0
+                          [1, 0], [1, 0], [2, 3], [2, 3]])     # sequence 1
+    weights = torch.full((8, 2), 0.5, dtype=torch.float64)
+    routed, kept = moe._within_capacity(index, weights, 2, 4)
+    # sequence 0: expert 0's third first choice (token 2) and token 3's second choice drop
+    assert routed.tolist() == [[0, 1], [0, 2], [4, 1], [3, 4],
+                               [1, 0], [1, 0], [2, 3], [2, 3]]
+    assert kept.tolist() == [[0.5, 0.5], [0.5, 0.5], [0.0, 0.5], [0.5, 0.0]] + [[0.5] * 2] * 4
+    with pytest.raises(ah.ModelError, match="capacity_factor"):
+        _tiny(capacity_factor=0)
+
+
 def _plan(dp: int, count: int) -> Plan:
     return Plan(model_hash="test", cluster="test", cluster_hash="test", mesh=Mesh(dp=dp),
                 placement=tuple(RankPlacement(rank=r, node=0, device=r) for r in range(dp)),

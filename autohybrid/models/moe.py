@@ -19,12 +19,20 @@ then returns ``(logits, aux)`` with ``aux`` of shape (batch,) summed over layers
 ``moe_loss`` (the zoo's loss for it) is the mean over tokens of cross-entropy plus the
 token's sequence's ``aux``: cross-entropy's mean plus the mean of ``aux``.
 
+Capacity (``capacity_factor``, default None: dropless): each expert takes at most
+``ceil(capacity_factor · T · k / E)`` routes of each sequence, first choices before
+second ones (GShard's priority); the routes past it are dropped. The capacity counts per
+sequence, not per batch or per rank as Megatron and GShard's device groups do, so which
+routes drop does not depend on how the plan splits the batch: every plan still trains
+exactly like eager.
+
 Attention is Llama's (GQA, RoPE): the DeepSeek-V3-style preset keeps DeepSeek's expert
 layout (256 fine-grained experts, top-8, one shared, sigmoid scores) but not its latent
 attention (MLA).
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -63,9 +71,11 @@ class MoE(nn.Module):
 
     def __init__(self, hidden: int, experts: int, top_k: int, expert_hidden: int,
                  shared: int, score: str, norm_topk: bool, routed_scale: float,
-                 aux_loss_coef: float, dd: dict[str, Any]):
+                 aux_loss_coef: float, dd: dict[str, Any],
+                 capacity_factor: float | None = None):
         super().__init__()
         self.top_k, self.score, self.norm_topk = top_k, score, norm_topk
+        self.capacity_factor = capacity_factor
         self.routed_scale, self.aux_loss_coef = routed_scale, aux_loss_coef
         self.router = nn.Linear(hidden, experts, bias=False, **dd)
         self.experts = Experts(experts, hidden, expert_hidden, dd)
@@ -78,10 +88,29 @@ class MoE(nn.Module):
         top, index = torch.topk(scores, self.top_k, dim=-1)
         if self.norm_topk:
             top = top / (top.sum(-1, keepdim=True) + 1e-20)
-        y = self.experts(flat, index, top * self.routed_scale)
+        routed, weights = index, top * self.routed_scale
+        if self.capacity_factor is not None:
+            routed, weights = self._within_capacity(index, weights, x.shape[0], x.shape[1])
+        y = self.experts(flat, routed, weights)
         if self.shared is not None:
             y = y + self.shared(flat)
         return y.view_as(x), self._balance(index, scores, x.shape[0])
+
+    def _within_capacity(self, index: torch.Tensor, weights: torch.Tensor, b: int, t: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routes past an expert's capacity in their sequence dropped (index = the "no
+        expert" sentinel, weight 0: the token's other experts and the residual carry
+        it). Capacity = ceil(capacity_factor · T · k / E) routes per expert and sequence;
+        a sequence's first choices take their slots before its second choices, in token
+        order within each (GShard's priority). Per sequence, so a split batch drops what
+        the whole batch drops."""
+        n, k = self.experts.num_experts, self.top_k
+        capacity = math.ceil(self.capacity_factor * t * k / n)
+        routes = index.view(b, t, k).transpose(1, 2).reshape(b, k * t)  # choice-major
+        onehot = F.one_hot(routes, n)
+        slot = (onehot.cumsum(1) * onehot).sum(-1)   # 1-based place in its expert's queue
+        keep = (slot <= capacity).view(b, k, t).transpose(1, 2).reshape(b * t, k)
+        return torch.where(keep, index, n), weights * keep
 
     def _balance(self, index: torch.Tensor, scores: torch.Tensor, b: int) -> torch.Tensor:
         n = scores.shape[-1]
@@ -126,6 +155,7 @@ class MoETransformer(nn.Module):
                  seq: int, experts: int, top_k: int, expert_hidden: int, shared: int = 0,
                  score: str = "softmax", norm_topk: bool = True, routed_scale: float = 1.0,
                  aux_loss_coef: float = 0.01, dense_layers: int = 0,
+                 capacity_factor: float | None = None,
                  ffn_hidden: int | None = None, rope_theta: float = 10000.0,
                  norm_eps: float = 1e-5, device: Any = None, dtype: torch.dtype | None = None):
         super().__init__()
@@ -138,12 +168,16 @@ class MoETransformer(nn.Module):
             raise ModelError(f"moe: score={score!r} is not one of {SCORES}")
         if not 0 <= dense_layers <= layers:
             raise ModelError(f"moe: dense_layers={dense_layers} must lie in [0, {layers}]")
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ModelError(f"moe: capacity_factor={capacity_factor} must be > 0 (None: "
+                             "dropless)")
         ffn = llama_ffn_hidden(hidden) if ffn_hidden is None else int(ffn_hidden)
         self.config: dict[str, Any] = dict(
             layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab=vocab,
             seq=seq, experts=experts, top_k=top_k, expert_hidden=expert_hidden,
             shared=shared, score=score, norm_topk=norm_topk, routed_scale=routed_scale,
-            aux_loss_coef=aux_loss_coef, dense_layers=dense_layers, ffn_hidden=ffn,
+            aux_loss_coef=aux_loss_coef, dense_layers=dense_layers,
+            capacity_factor=capacity_factor, ffn_hidden=ffn,
             rope_theta=rope_theta, norm_eps=norm_eps)
         dd = factory_kwargs(device, dtype)
         with build_on(device):
@@ -152,7 +186,8 @@ class MoETransformer(nn.Module):
                 MoEBlock(hidden, heads, kv_heads, rope_theta, norm_eps,
                          SwiGLU(hidden, ffn, dd) if i < dense_layers else
                          MoE(hidden, experts, top_k, expert_hidden, shared, score,
-                             norm_topk, routed_scale, aux_loss_coef, dd), dd)
+                             norm_topk, routed_scale, aux_loss_coef, dd, capacity_factor),
+                         dd)
                 for i in range(layers))
             self.norm = RMSNorm(hidden, eps=norm_eps, **dd)
             self.lm_head = nn.Linear(hidden, vocab, bias=False, **dd)
