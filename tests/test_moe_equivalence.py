@@ -93,7 +93,9 @@ def test_two_ranks():
                                                     score="sigmoid", routed_scale=2.5)),
              (dict(dp=2), "sgd"), (dict(tp=2), "sgd"), (dict(pp=2, num_microbatches=2), "sgd"),
              # capacity per sequence: the routes past it drop alike however the batch splits
-             (dict(dp=2, ep=2, num_microbatches=2), "adamw", None, CAPACITY)])
+             (dict(dp=2, ep=2, num_microbatches=2), "adamw", None, CAPACITY),
+             # checkpointed blocks: the op's saved rows dropped and recomputed
+             (dict(dp=2, ep=2, recompute="full"), "sgd")])
 
 
 @pytest.mark.procs

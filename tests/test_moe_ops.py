@@ -100,6 +100,39 @@ def test_backward_recomputes_what_forward_did_not_leave(monkeypatch):
         _close("gradient", g, e)
 
 
+def test_activation_checkpointing_frees_and_recomputes_the_saved_rows():
+    """Forward's rows for backward (the received rows, gate/up projections, expert outputs)
+    are saved tensors — backward does not run forward again — so under
+    torch.utils.checkpoint they are packed, dropped, and the recomputation restores them,
+    gradients unchanged; without autograd recording they live as long as the output."""
+    from torch.utils.checkpoint import checkpoint
+
+    x, idx, w, gate_up, down = _inputs(9, 4, 2, "spread", seed=5)
+    packed = []
+
+    def pack(t):
+        packed.append(tuple(t.shape))
+        return t
+    a = _leaves(x, w, gate_up, down)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        moe_experts(a[0], idx, a[1], a[2], a[3], 4, "silu", "")
+    # x, idx, weights, gate_up, down + the routing's order, tokens, local, xe, h, ys
+    assert len(packed) == 11 and (18, 2 * INTER) in packed, packed
+    with torch.no_grad():     # nothing records: the rows go with the output
+        out = moe_experts(a[0], idx, a[1], a[2], a[3], 4, "silu", "")
+        assert moe._LEFT.value is not None
+        del out
+    assert moe._LEFT.value is None
+    a = _leaves(x, w, gate_up, down)
+    b = _leaves(x, w, gate_up, down)
+    out = checkpoint(lambda *t: moe_experts(t[0], idx, t[1], t[2], t[3], 4, "silu", ""),
+                     *a, use_reentrant=False)
+    ref = _reference(b[0], idx, b[1], b[2], b[3], "silu")
+    gy = torch.ones_like(out)
+    for g, e in zip(torch.autograd.grad(out, a, gy), torch.autograd.grad(ref, b, gy)):
+        _close("gradient", g, e)
+
+
 def test_bad_routes_and_shapes_are_refused():
     x, idx, w, gate_up, down = _inputs(4, 4, 2, "spread")
     with pytest.raises(RuntimeFailure, match=r"indices must lie in \[0, 4\]"):

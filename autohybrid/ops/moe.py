@@ -31,7 +31,9 @@ travel in one all-to-all first.
 Backward reuses what forward computed (the received rows, the gate/up projections, the
 expert outputs) when forward ran eagerly with autograd recording: the op's forward
 leaves them for the `setup_context` that autograd calls right after it, tied to the
-output's identity. Where it did not (a traced forward), backward computes them again.
+output's identity, which saves them as saved tensors (activation checkpointing frees and
+recomputes them like any other). Where it did not (a traced forward), backward computes
+them again.
 
 Example::
 
@@ -244,10 +246,19 @@ def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch
     out, routings = _forward(x, top_k_index, top_k_weights, gate_up, down, num_experts, act,
                              axis, chunks)
     _LEFT.value = None
-    if torch.is_grad_enabled() and any(t.requires_grad for t in
-                                       (x, top_k_weights, gate_up, down)):
-        _LEFT.value = (weakref.ref(out), routings)
+    # (torch runs a custom op's forward with grad mode off, recording or not: whether
+    # setup_context follows shows only there; when it does not, the rows go with `out`)
+    if any(t.requires_grad for t in (x, top_k_weights, gate_up, down)):
+        _LEFT.value = (weakref.ref(out, _forget), routings)
     return out
+
+
+def _forget(ref: weakref.ref) -> None:
+    """The output a stash was left for is gone (no setup_context took it: a forward
+    without autograd recording): drop the stash, unless a later call's replaced it."""
+    left = getattr(_LEFT, "value", None)
+    if left is not None and left[0] is ref:
+        _LEFT.value = None
 
 
 @moe_experts.register_fake
@@ -255,18 +266,40 @@ def _(x, top_k_index, top_k_weights, gate_up, down, num_experts, act, axis, chun
     return x.new_empty(x.shape)
 
 
+#: the tensors of a Routing saved for backward, in this order
+_SAVED = ("order", "tokens", "local", "xe", "h", "ys")
+
+
 def _setup(ctx, inputs, output) -> None:
+    """Save the inputs and, from an eager forward, its routing's tensors — through
+    `save_for_backward`, so activation checkpointing frees them with the rest and its
+    recomputation (which runs this op again) restores them; the routing's counts stay on
+    ctx."""
     x, top_k_index, top_k_weights, gate_up, down, num_experts, act, axis, chunks = inputs
     left, _LEFT.value = getattr(_LEFT, "value", None), None
-    ctx.routings = left[1] if left is not None and left[0]() is output else None
+    routings = left[1] if left is not None and left[0]() is output else None
+    ctx.counts = [(r.send, r.recv, r.counts) for r in routings] if routings else None
     ctx.args = (num_experts, act, axis, chunks)
-    ctx.save_for_backward(x, top_k_index, top_k_weights, gate_up, down)
+    rows = [getattr(r, name) for r in routings or () for name in _SAVED]
+    ctx.save_for_backward(x, top_k_index, top_k_weights, gate_up, down, *rows)
+
+
+def _saved_routings(ctx, rows: tuple) -> list[Routing] | None:
+    if ctx.counts is None:
+        return None
+    n = len(_SAVED)
+    out = []
+    for i, (send, recv, counts) in enumerate(ctx.counts):
+        t = dict(zip(_SAVED, rows[i * n:(i + 1) * n]))
+        out.append(Routing(t["order"], t["tokens"], send, recv, t["local"], counts,
+                           t["xe"], t["h"], t["ys"]))
+    return out
 
 
 def _backward(ctx, grad):
-    x, top_k_index, top_k_weights, gate_up, down = ctx.saved_tensors
+    x, top_k_index, top_k_weights, gate_up, down, *rows = ctx.saved_tensors
     num_experts, act, axis, chunks = ctx.args
-    routings, ctx.routings = ctx.routings, None
+    routings = _saved_routings(ctx, tuple(rows))
     if routings is None:
         with torch.no_grad():
             _, routings = _forward(x, top_k_index, top_k_weights, gate_up, down, num_experts,
