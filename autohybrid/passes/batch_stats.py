@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from .. import ops  # noqa: F401  (registers autohybrid::batch_sum)
-from ..graph import AH_PASS, SYM_SIZE_OPS, VAL, op_name, schema_args
+from ..graph import AH_PASS, VAL, op_name, schema_args
 from .batch_flow import BSIZE, PARTIAL, BatchFlow, Flow
 
 _BATCH_SUM = torch.ops.autohybrid.batch_sum.default
@@ -82,15 +82,13 @@ def globalize(gm: fx.GraphModule, term: fx.Node, flows: BatchFlow, axis: str
                 user.replace_input_with(node, total)
             created.append(total)
         elif _elementwise(node):
-            for a in list(node.all_input_nodes):
-                if not isinstance(a.meta.get(VAL), torch.Tensor) and \
-                        flows.flow(a).kind == BSIZE:
-                    with graph.inserting_before(node):
-                        count = graph.call_function(_SCALAR_TENSOR, (a,),
-                                                    {"dtype": node.meta[VAL].dtype})
-                        total = graph.call_function(_BATCH_SUM, (count, axis))
-                    node.replace_input_with(a, total)
-                    created += [count, total]
+            for a in _counts_as_tensors(node, flows):
+                with graph.inserting_before(node):
+                    count = graph.call_function(_SCALAR_TENSOR, (a,),
+                                                {"dtype": node.meta[VAL].dtype})
+                    total = graph.call_function(_BATCH_SUM, (count, axis))
+                node.replace_input_with(a, total)
+                created += [count, total]
     for node in created:
         node.meta[AH_PASS] = "global_loss"
     return created
@@ -100,6 +98,18 @@ def _elementwise(node: fx.Node) -> bool:
     """A floating-point element-wise tensor op (where a Python number operand and a 0-dim
     tensor of the result's dtype compute alike)."""
     target, val = node.target, node.meta.get(VAL)
-    return isinstance(target, torch._ops.OpOverload) and target not in SYM_SIZE_OPS \
-        and torch.Tag.pointwise in target.tags and isinstance(val, torch.Tensor) \
-        and val.is_floating_point()
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags \
+        and isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
+def _counts_as_tensors(node: fx.Node, flows: BatchFlow) -> list[fx.Node]:
+    """The batch-size numbers `node` reads where its schema takes a Tensor (`x / n` is
+    `div.Tensor(x, n)`); a number where a Scalar is expected stays, and is refused."""
+    schema = node.target._schema
+    out = []
+    for arg, value in zip(schema.arguments, node.args):
+        if isinstance(value, fx.Node) and str(arg.type) == "Tensor" and \
+                not isinstance(value.meta.get(VAL), torch.Tensor) and \
+                flows.flow(value).kind == BSIZE and value not in out:
+            out.append(value)
+    return out

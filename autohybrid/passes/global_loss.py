@@ -83,7 +83,7 @@ def global_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         split = _main_and_term(gm, loss)
         if split is not None:
             whole, (loss, term, reduction) = loss, split
-            created += _global_term(gm, ctx, whole, term, shards)
+            created += _global_term(gm, ctx, term)
     mixed = reduction is not None and not _has_batch_dim(reduction.args[0], _batch_symbols(gm))
     if shards > 1 and reduction is not None and not mixed:
         _refuse_sample_mixing(gm, whole or loss, reduction, shards, per_sample)
@@ -146,8 +146,7 @@ def _main_and_term(gm: fx.GraphModule, loss: fx.Node
     return None
 
 
-def _global_term(gm: fx.GraphModule, ctx: PassContext, whole: fx.Node, term: fx.Node,
-                 shards: int) -> list[fx.Node]:
+def _global_term(gm: fx.GraphModule, ctx: PassContext, term: fx.Node) -> list[fx.Node]:
     """Make `term` the whole batch's value on every shard (batch_stats.globalize), or
     raise PlanError saying why it cannot be; the nodes created, fake values filled."""
     created = globalize(gm, term, _flows(gm), "dp")
