@@ -160,3 +160,35 @@ def test_tp_that_does_not_divide_a_split_weight_is_skipped_with_the_reason():
     with pytest.raises(ah.PlanError, match=r"tp=16 does not divide the split dim \(24\)"):
         ah.plan(model, cluster, (x,), constraints=ah.Constraints(tp=16),
                 loss_fn=F.mse_loss, example_targets=torch.randn(32, 6, device="meta"))
+
+
+class _PenalizedMLP(nn.Module):
+    """Megatron's MLP pair twice; the model also returns a penalty on the first pair's
+    up weight and on the second pair's down bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.up1, self.down1 = nn.Linear(16, 64), nn.Linear(64, 16)
+        self.up2, self.down2 = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        h = x + self.down1(F.gelu(self.up1(x)))
+        h = h + self.down2(F.gelu(self.up2(h)))
+        return h, self.up1.weight.pow(2).sum() + self.down2.bias.abs().sum()
+
+
+def test_parameters_other_ops_read_stay_whole_with_their_layers():
+    """A parameter tp would split that another op reads whole (a penalty) keeps its layer
+    replicated; the other layers still split."""
+    from autohybrid.search.sharding import params_read_elsewhere
+    x = torch.randn(4, 16)
+    gm = capture(_PenalizedMLP(), (x,), lambda out, t: F.mse_loss(out[0], t) + out[1],
+                 torch.randn(4, 16)).gm
+    assert params_read_elsewhere(gm) == {"up1.weight", "down2.bias"}
+    layout = megatron_layout(gm)
+    roles = {linear_parts(n).weight.meta["ah_param"]: layout.linear_roles.get(n.name)
+             for n in gm.graph.nodes if linear_parts(n) is not None}
+    assert roles["up1.weight"] == roles["down2.weight"] == "replicate", roles
+    assert "column" in roles.values(), roles        # the others still split
+    assert not {"up1.weight", "up1.bias", "down2.weight", "down2.bias"} \
+        & set(layout.param_placements), layout.param_placements

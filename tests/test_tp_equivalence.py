@@ -269,3 +269,52 @@ def _dropout_rank(rank: int, world: int, sp: bool) -> list[str]:
 @pytest.mark.parametrize("world,sp", [(2, False), (4, True)], ids=["tp2", "tp4+sp"])
 def test_dropout_under_tp_draws_eagers_masks(world, sp):
     _assert_no_failures(_launch(_dropout_rank, world, sp))
+
+
+class _Penalized(nn.Module):
+    """gpt-tiny returning (logits, λ · Σ ‖p‖²) over parameters tp would split — a
+    vocabulary-parallel table, a fused column qkv weight, a column bias, a row weight —
+    as a model computes its own regularizer: read whole by the penalty, so they must
+    stay whole (and their layers replicated) on every tp rank."""
+
+    PENALIZED = ("tok_emb.weight", "blocks.0.attn.qkv.weight", "blocks.0.mlp.fc.bias",
+                 "blocks.1.attn.proj.weight")
+
+    def __init__(self):
+        super().__init__()
+        self.inner = zoo_model("gpt-tiny")
+        self.blocks = self.inner.blocks
+
+    def forward(self, ids):
+        penalty = sum(self.inner.get_parameter(n).pow(2).sum() for n in self.PENALIZED)
+        return self.inner(ids), 0.05 * penalty
+
+
+def _penalized_loss(out, targets):
+    logits, penalty = out
+    return lm_loss(logits, targets) + penalty
+
+
+def _penalty_rank(rank: int, world: int) -> list[str]:
+    fails = Failures()
+    batches = zoo_batches("gpt-tiny", 4, steps=2)
+    for sp, optimizer in ((False, "sgd"), (True, "adamw")):
+        torch.manual_seed(0)
+        compiled, _ = train_and_compare(fails, f"tp2 sp={sp} {optimizer}", _Penalized(),
+                                        batches, world, loss_fn=_penalized_loss,
+                                        optimizer=OPTIMIZERS[optimizer],
+                                        constraints=_pinned(2, sp))
+        split = {n for n, s in compiled.sharded.specs.items() if s.axis == "tp"}
+        fails.check(f"tp2 sp={sp}: nothing split ({sorted(split)})",
+                    "inner.blocks.1.mlp.fc.weight" in split)
+        fails.check(f"tp2 sp={sp}: a penalized parameter split ({sorted(split)})",
+                    not {f"inner.{p}" for p in _Penalized.PENALIZED} & split)
+    return fails
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(240)
+def test_parameters_a_model_reads_whole_stay_whole_under_tp():
+    """Before: a tp-split parameter read by the model's own penalty gave the penalty of
+    the rank's shard — a silently wrong loss and gradient."""
+    _assert_no_failures(_launch(_penalty_rank, 2))

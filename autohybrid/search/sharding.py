@@ -225,6 +225,30 @@ def whole_table_embeddings(gm: fx.GraphModule) -> set[str]:
     return out
 
 
+def params_read_elsewhere(gm: fx.GraphModule) -> set[str]:
+    """Parameter keys read by an op that would not read them split: anything but a linear
+    or convolution (as its weight or bias), an embedding (its table), a batch norm (its
+    weight or bias) or a metadata check. Such a parameter stays whole on every tp rank,
+    with the layers that use it: a model adding `λ · fc.weight.pow(2).sum()` to its
+    output, split, would penalize its tp rank's shard only — a silently wrong loss."""
+    out = set()
+    for node in gm.graph.nodes:
+        if node.op != "placeholder" or node.meta.get(AH_ROLE) != "param":
+            continue
+        for user in node.users:
+            parts = linear_parts(user)
+            name = op_name(user)
+            if (parts is not None and node in (parts.weight, parts.bias)) or _is_check(user) \
+                    or (name == "aten.embedding.default" and user.args[0] is node
+                        and node not in user.args[1:]) \
+                    or (name in BATCH_NORMS and node in user.args[1:3]
+                        and user.args[0] is not node):
+                continue
+            out.add(param_key(node))
+            break
+    return out
+
+
 @dataclass
 class TensorParallelLayout:
     """Placements of every node and the collectives the tp axis needs, per node name."""
@@ -580,7 +604,7 @@ def propagate_layout(gm: fx.GraphModule, choices: dict[str, str],
     forced = forced or {}
     layout = TensorParallelLayout()
     place = layout.placements
-    whole = whole_table_embeddings(gm)
+    whole = whole_table_embeddings(gm) | params_read_elsewhere(gm)
     for node in gm.graph.nodes:
         if node.op != "call_function":
             place[node.name] = R
@@ -598,7 +622,8 @@ def propagate_layout(gm: fx.GraphModule, choices: dict[str, str],
             place[node.name] = R
             continue
         parts = linear_parts(node)
-        if parts is not None and param_key(parts.weight) in whole:
+        if parts is not None and (param_key(parts.weight) in whole or (
+                parts.bias is not None and param_key(parts.bias) in whole)):
             _whole_linear(node, parts, layout)
             continue
         if parts is not None:
@@ -618,7 +643,8 @@ def propagate_layout(gm: fx.GraphModule, choices: dict[str, str],
         if not sharded:
             place[node.name] = R
             continue
-        if name in BATCH_NORMS and _channel_split(node, layout):
+        if name in BATCH_NORMS and _channel_split(node, layout) and not any(
+                isinstance(p, fx.Node) and param_key(p) in whole for p in node.args[1:3]):
             _channel_norm(node, layout)
             continue
         if name in _CLASS_LOSSES and not layout.blocks.get(node.args[0].name):
@@ -782,7 +808,8 @@ def mark_key_value_projections(gm: fx.GraphModule, layout: TensorParallelLayout)
 
 
 def _whole_linear(node: fx.Node, parts: LinearParts, layout: TensorParallelLayout) -> None:
-    """A linear sharing a whole-table embedding's weight: replicated, its input gathered."""
+    """A linear sharing a whole-table embedding's weight, or whose weight or bias another
+    op reads (`params_read_elsewhere`): replicated, its input gathered."""
     if shard_dim(layout.placements.get(parts.x.name, R)) is not None:
         layout.collectives.append(Collective(node.name, "all_gather", "forward",
                                              nbytes_expr(_val(parts.x))))
