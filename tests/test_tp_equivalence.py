@@ -309,6 +309,12 @@ def _penalty_rank(rank: int, world: int) -> list[str]:
                     "inner.blocks.1.mlp.fc.weight" in split)
         fails.check(f"tp2 sp={sp}: a penalized parameter split ({sorted(split)})",
                     not {f"inner.{p}" for p in _Penalized.PENALIZED} & split)
+    # the same model where the parameters are gathered per use or cut by stages
+    for pinned in (dict(dp=2, zero=3), dict(pp=2, num_microbatches=2)):
+        torch.manual_seed(0)
+        train_and_compare(fails, f"{pinned} adamw", _Penalized(), batches, world,
+                          loss_fn=_penalized_loss, optimizer=OPTIMIZERS["adamw"],
+                          constraints=ah.Constraints(**pinned))
     return fails
 
 
@@ -316,5 +322,5 @@ def _penalty_rank(rank: int, world: int) -> list[str]:
 @pytest.mark.timeout(240)
 def test_parameters_a_model_reads_whole_stay_whole_under_tp():
     """Before: a tp-split parameter read by the model's own penalty gave the penalty of
-    the rank's shard — a silently wrong loss and gradient."""
+    the rank's shard — a silently wrong loss and gradient. ZeRO-3 and pp run it too."""
     _assert_no_failures(_launch(_penalty_rank, 2))
