@@ -167,7 +167,10 @@ def _global_term(gm: fx.GraphModule, ctx: PassContext, term: fx.Node) -> list[fx
         raise PlanError(
             f"{where} is added to the loss but not proven the whole batch's value on every "
             f"shard: node {culprit.name!r} ({op_name(culprit)}, `{source_line(culprit)}`): "
-            f"{why}. Run with dp=1 and one microbatch, or compute the term per sample")
+            f"{why}. A second mean over the samples or tokens (a z-loss, an auxiliary loss "
+            "per token) splits when the loss takes one reduction of both: "
+            "(F.cross_entropy(..., reduction='none') + term_per_token).mean(); otherwise "
+            "run with dp=1 and one microbatch")
     return created
 
 
