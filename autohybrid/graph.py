@@ -183,7 +183,7 @@ def shared_fake_values() -> Iterator[None]:
 def refresh_fake(node: fx.Node, mode) -> None:
     """Recompute `meta["val"]` of call_function `node` from its inputs' values (shared
     with an identical earlier computation inside `shared_fake_values()`)."""
-    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get(VAL))
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), _fake_arg)
     shared = _SHARED.get()
     key = _fake_key(node.target, args, kwargs, mode) if shared is not None else None
     if key is not None and key in shared:
@@ -195,6 +195,16 @@ def refresh_fake(node: fx.Node, mode) -> None:
         from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
         if not free_unbacked_symbols(node.meta[VAL]):
             shared[key] = node.meta[VAL]
+
+
+def _fake_arg(a: fx.Node) -> Any:
+    """An argument's fake value; for a `get_attr` (a higher-order op's body, e.g. a
+    `torch.no_grad()` region), the submodule itself."""
+    if a.op == "get_attr":
+        owner = a.graph.owning_module
+        if owner is not None:
+            return operator.attrgetter(a.target)(owner)
+    return a.meta.get(VAL)
 
 
 def _fake_key(target: Any, args: Any, kwargs: Any, mode) -> tuple | None:

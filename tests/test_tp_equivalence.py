@@ -324,3 +324,43 @@ def test_parameters_a_model_reads_whole_stay_whole_under_tp():
     """Before: a tp-split parameter read by the model's own penalty gave the penalty of
     the rank's shard — a silently wrong loss and gradient. ZeRO-3 and pp run it too."""
     _assert_no_failures(_launch(_penalty_rank, 2))
+
+
+class _RunningStat(nn.Module):
+    """An MLP whose forward updates a running statistic of its hidden layer inside
+    `torch.no_grad()` (a region torch.export keeps as a higher-order op with a body)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+        self.head = nn.Linear(32, 64)
+        self.register_buffer("stat", torch.zeros(64))
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        a = F.gelu(self.up(h))
+        with torch.no_grad():
+            self.stat.mul_(0.9).add_(0.1 * a.mean((0, 1)))
+        return self.head(h + self.down(a))
+
+
+def _running_stat_rank(rank: int, world: int) -> list[str]:
+    fails = Failures()
+    g = torch.Generator().manual_seed(1)
+    batches = [((torch.randint(0, 64, (4, 8), generator=g),),
+                torch.randint(0, 64, (4, 8), generator=g)) for _ in range(2)]
+    for sp in (False, True):
+        torch.manual_seed(0)
+        train_and_compare(fails, f"running stat tp2 sp={sp}", _RunningStat().double(),
+                          batches, world, loss_fn=lm_loss, optimizer=OPTIMIZERS["sgd"],
+                          constraints=_pinned(2, sp))
+    return fails
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(240)
+def test_a_no_grad_region_reading_a_split_value_trains_like_eager():
+    """The tp pass recomputes the region's fake value with its body (its `get_attr`
+    argument); it used to pass None there and refuse every tp plan with a TypeError."""
+    _assert_no_failures(_launch(_running_stat_rank, 2))
