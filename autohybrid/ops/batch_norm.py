@@ -11,20 +11,12 @@ sums, to be summed by the data-parallel gradient reduction like any other gradie
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from . import groups
 
 
 def _reduce_dims(x: torch.Tensor) -> list[int]:
     return [0, *range(2, x.dim())]
-
-
-def _all_reduce(t: torch.Tensor, axis: str) -> torch.Tensor:
-    group = groups.get(axis)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, group=group)
-    return t
 
 
 def _shape(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -39,11 +31,11 @@ def sync_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Te
     dims = _reduce_dims(x)
     channels = x.shape[1]
     stats = torch.cat([x.sum(dims), x.new_tensor([x.numel() // channels])])
-    _all_reduce(stats, axis)
+    groups.all_reduce(stats, axis)
     count = stats[-1]
     mean = stats[:-1] / count
     centred = x - _shape(x, mean)
-    var = _all_reduce((centred * centred).sum(dims), axis) / count
+    var = groups.all_reduce((centred * centred).sum(dims), axis) / count
     invstd = torch.rsqrt(var + eps)
     out = centred * _shape(x, invstd)
     if weight is not None:
@@ -91,7 +83,7 @@ def _backward(ctx, grad_out, _grad_mean, _grad_invstd, _grad_var):
     local_dy_xhat = (grad_out * xhat).sum(dims)
     channels = x.shape[1]
     sums = torch.cat([local_dy, local_dy_xhat, x.new_tensor([x.numel() // channels])])
-    _all_reduce(sums, ctx.axis)
+    groups.all_reduce(sums, ctx.axis)
     sum_dy, sum_dy_xhat, count = sums[:channels], sums[channels:2 * channels], sums[-1]
     scale = invstd if weight is None else invstd * weight
     grad_x = _shape(x, scale) * (grad_out - _shape(x, sum_dy / count)

@@ -17,22 +17,14 @@ passes/global_loss.py seeds the term by the rank's share of the loss denominator
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from . import groups
-
-
-def _all_reduce(t: torch.Tensor, axis: str) -> torch.Tensor:
-    group = groups.get(axis)
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, group=group)
-    return t
 
 
 @torch.library.custom_op("autohybrid::batch_sum", mutates_args=())
 def batch_sum(x: torch.Tensor, axis: str) -> torch.Tensor:
     """Σ over the ranks of `axis` of `x` (each rank's partial sum over its samples)."""
-    return _all_reduce(x.clone(), axis)
+    return groups.all_reduce(x.clone(), axis)
 
 
 @batch_sum.register_fake

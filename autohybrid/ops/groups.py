@@ -91,6 +91,14 @@ def get(axis: str) -> dist.ProcessGroup | None:
             "the groups of its Plan") from None
 
 
+def all_reduce(t, axis: str):
+    """Sum `t` in place over the ranks of `axis` (nothing to do on one rank); returns it."""
+    group = get(axis)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    return t
+
+
 def size(axis: str) -> int:
     group = get(axis)
     return 1 if group is None else dist.get_world_size(group)

@@ -78,15 +78,16 @@ def global_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph = gm.graph
     created: list[fx.Node] = []
     shards = ctx.plan.mesh.dp * ctx.plan.num_microbatches
-    whole = term = None   # loss = main + term, term the same on every shard
+    whole = term = flows = None   # loss = main + term, term the same on every shard
     if reduction is None and shards > 1:
         split = _main_and_term(gm, loss)
         if split is not None:
             whole, (loss, term, reduction) = loss, split
-            created += _global_term(gm, ctx, term)
+            new, flows = _global_term(gm, ctx, term)
+            created += new
     mixed = reduction is not None and not _has_batch_dim(reduction.args[0], _batch_symbols(gm))
     if shards > 1 and reduction is not None and not mixed:
-        _refuse_sample_mixing(gm, whole or loss, reduction, shards, per_sample)
+        _refuse_sample_mixing(gm, whole or loss, reduction, shards, per_sample, flows)
     if reduction is None or mixed:
         kind, denominator = "opaque", None
     else:
@@ -146,10 +147,13 @@ def _main_and_term(gm: fx.GraphModule, loss: fx.Node
     return None
 
 
-def _global_term(gm: fx.GraphModule, ctx: PassContext, term: fx.Node) -> list[fx.Node]:
+def _global_term(gm: fx.GraphModule, ctx: PassContext, term: fx.Node
+                 ) -> tuple[list[fx.Node], BatchFlow]:
     """Make `term` the whole batch's value on every shard (batch_stats.globalize), or
-    raise PlanError saying why it cannot be; the nodes created, fake values filled."""
-    created = globalize(gm, term, _flows(gm), "dp")
+    raise PlanError saying why it cannot be; the nodes created (fake values filled) and
+    the flows of the graph with them (the sample-mixing check reads them again)."""
+    flows = _flows(gm)
+    created = globalize(gm, term, flows, "dp")
     propagate_fake(gm, created)
     where = f"the loss term {term.name!r} (`{source_line(term)}`)"
     if created and (ctx.plan.num_microbatches > 1 or ctx.plan.mesh.pp > 1):
@@ -160,7 +164,8 @@ def _global_term(gm: fx.GraphModule, ctx: PassContext, term: fx.Node) -> list[fx
             f"and {ctx.plan.mesh.pp} pipeline stages cannot do (the backward of one "
             "microbatch starts before the next one's forward). Run it with one microbatch "
             "and pp=1, or compute the term per sample")
-    flow = _flows(gm).flow(term)
+    flows = _flows(gm) if created else flows   # (the new nodes have no flows yet)
+    flow = flows.flow(term)
     if flow.kind != REP:
         culprit = flow.culprit if flow.kind == UNKNOWN else term
         why = flow.why if flow.kind == UNKNOWN else f"it is {flow.kind}"
@@ -171,11 +176,12 @@ def _global_term(gm: fx.GraphModule, ctx: PassContext, term: fx.Node) -> list[fx
             "per token) splits when the loss takes one reduction of both: "
             "(F.cross_entropy(..., reduction='none') + term_per_token).mean(); otherwise "
             "run with dp=1 and one microbatch")
-    return created
+    return created, flows
 
 
 def _refuse_sample_mixing(gm: fx.GraphModule, loss: fx.Node, reduction: fx.Node,
-                          shards: int, per_sample: fx.Node | None = None) -> None:
+                          shards: int, per_sample: fx.Node | None = None,
+                          flows: BatchFlow | None = None) -> None:
     """PlanError unless every value the loss's final reduction reads is per-sample.
 
     Shards add up to the whole batch's loss only if each sample's contribution depends
@@ -185,9 +191,10 @@ def _refuse_sample_mixing(gm: fx.GraphModule, loss: fx.Node, reduction: fx.Node,
     break that). passes/batch_flow.py proves it over the graph's dataflow (per-token MoE
     dispatch and masks built from the batch's shape are proven; what it cannot prove is
     refused); buffers updated in place must not depend on the batch either (training
-    BatchNorm gets global statistics from sync_batch_norm).
+    BatchNorm gets global statistics from sync_batch_norm). `flows`: the graph's, when
+    the caller has them.
     """
-    flows = _flows(gm)
+    flows = flows or _flows(gm)
     effect = split_batch_effect(gm, flows)
     if effect is not None:
         raise PlanError(describe(effect, shards))

@@ -89,15 +89,16 @@ class LayoutCost:
         return total
 
 
+#: a layer index in a module path (`blocks.3.mlp` → `blocks.#.mlp`)
+_INDEX = re.compile(r"\.\d+(?=\.|$)")
+
+
 def _role(node: fx.Node) -> str:
     """The module path of the node's innermost module with layer indices dropped
     (``model.blocks.#.mlp.router``) and its op: the same linear of every repeated block."""
     stack = node.meta.get("nn_module_stack") or {}
     path = next(reversed(stack.values()))[0] if stack else node.name
     return f"{_INDEX.sub('.#', path)} {op_name(node)}"
-
-
-_INDEX = re.compile(r"\.\d+(?=\.|$)")
 
 
 def choose_layout(gm: fx.GraphModule, rates: Rates) -> TensorParallelLayout:
