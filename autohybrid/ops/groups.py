@@ -18,6 +18,49 @@ def all_gather_single(output, input, group=None, async_op=False):  # noqa: A002
     return fn(output, input, group=group, async_op=async_op)
 
 
+#: the profiler range around `gather_rows`' broadcasts (runtime/profile.py names the
+#: collectives issued inside it "all_gather", what they compute)
+GATHER_RANGE = "ah::all_gather"
+
+
+def gather_rows(output, input, group=None, async_op=False):  # noqa: A002
+    """`all_gather_single(output, input)`, run on gloo as one broadcast per rank of its
+    row of `output` (this rank's `input` copied into its row first, unless it is that
+    row): gloo's all-gather takes 2–5× its broadcasts of the same bytes (2 and 4 CPU
+    ranks, 52 MB in all: 61 / 94 ms against 13 / 27 ms; per parameter, 16 of them:
+    34 / 75 ms against 19 / 43 ms), and the broadcasts write the rows in place. For
+    the large gathers of ZeRO's parameters; elsewhere (NCCL) the all-gather runs as it
+    is. Returns the pending work (`async_op`) or None."""
+    if group_backend(group) != "gloo":
+        return all_gather_single(output, input, group=group, async_op=async_op)
+    from torch.profiler import record_function
+    ranks = dist.get_world_size(group)
+    rows = output.view(ranks, -1)
+    mine = rows[dist.get_rank(group)]
+    if mine.data_ptr() != input.data_ptr():
+        mine.copy_(input.reshape(-1))
+    with record_function(GATHER_RANGE):
+        works = [dist.broadcast(rows[r], src=dist.get_global_rank(group, r) if group
+                                is not None else r, group=group, async_op=async_op)
+                 for r in range(ranks)]
+    return _AllOf(works) if async_op else None
+
+
+class _AllOf:
+    """Several issued collectives waited for as one."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self, *args) -> bool:
+        for work in self.works:
+            work.wait(*args)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+
 def reduce_scatter_single(output, input, group=None, async_op=False,  # noqa: A002
                           input_scratch=False):
     """`dist.reduce_scatter_single` (torch 2.13; before: reduce_scatter_tensor), a sum,

@@ -75,12 +75,15 @@ def gather_start(shards: Sequence[torch.Tensor], group: dist.ProcessGroup | None
                  async_op: bool = False) -> tuple[torch.Tensor, object | None]:
     """Issue the all-gather of every rank's flat `shards`: (the flat `(dp, Σc)` result,
     its pending work or None). The result is valid only after `gather_finish`."""
-    local = torch.cat([s.detach().reshape(-1) for s in shards])
+    pieces = [s.detach().reshape(-1) for s in shards]
     if group is None:
-        return local, None
-    flat = local.new_empty(dist.get_world_size(group) * local.numel())
-    work = groups.all_gather_single(flat, local, group=group, async_op=async_op)
-    return flat, work
+        return torch.cat(pieces), None
+    # this rank's shards concatenated straight into their row of the result, which is
+    # then gathered in place (gather_rows: broadcasts on gloo)
+    flat = pieces[0].new_empty(dist.get_world_size(group) * sum(p.numel() for p in pieces))
+    row = flat.view(dist.get_world_size(group), -1)[dist.get_rank(group)]
+    torch.cat(pieces, out=row)
+    return flat, groups.gather_rows(flat, row, group=group, async_op=async_op)
 
 
 def gather_finish(flat: torch.Tensor, work: object | None, sizes: Sequence[int],

@@ -25,7 +25,9 @@ What torch 2.13 (CPU build, gloo) records for communication, seen by experiment:
 
 The check that every rank passed the same batch (runtime/batch_agreement.py: one small
 all-reduce at the start of each step) runs inside an `ah::batch_agreement` range and its
-interval is named "batch_agreement".
+interval is named "batch_agreement"; ZeRO's parameter all-gathers, which gloo runs as
+one broadcast per rank (ops/groups.gather_rows), inside an `ah::all_gather` range, and
+their intervals are named "all_gather".
 
 So a communication interval is a `c10d::` issue matched to its `gloo:` event (in issue
 order, a collective with a collective, a send with a send), from the issue's start to the
@@ -73,6 +75,7 @@ from ..errors import AutohybridError
 from ..report.device_events import DeviceEvent, classify_device_events, comm_op
 from ..report.timeline import (STEP_PREFIX, Interval, Timeline, gather, merge, subtract,
                                union)
+from ..ops.groups import GATHER_RANGE
 from .batch_agreement import AGREEMENT_RANGE
 
 _P2P = {"send", "recv"}
@@ -212,15 +215,21 @@ def timeline_from_events(events: Sequence[Any], rank: int, trace_start_s: float 
                 s, t = max(a, pa), min(b, pb)
                 if t > s:
                     out.append(Interval("compute", phase, to_s(s), to_s(t), k, phase))
-        checks = [(e.start, e.end) for e in on_main if e.name == AGREEMENT_RANGE and inside(e)]
+        named = [(e.start, e.end, _RANGE_NAMES[e.name]) for e in on_main
+                 if e.name in _RANGE_NAMES and inside(e)]
         for start, end, name, extra in mine:
             end = min(end, hi)
-            if any(a <= start <= b for a, b in checks):
-                name = "batch_agreement"  # every rank passed the same batch: no gradients
+            name = next((as_ for a, b, as_ in named if a <= start <= b), name)
             out.append(Interval("communication", name, to_s(start), to_s(max(start, end)), k,
                                 _phase_at(phases, start), extra))
     out.sort(key=lambda iv: (iv.step, iv.start_s, iv.kind != "step"))
     return Timeline("measured", {rank: out}, {"trace_start_s": trace_start_s})
+
+
+#: ranges whose collectives are named for what they do: the check that every rank
+#: passed the same batch (no gradients), and ZeRO's all-gathers that gloo runs as
+#: broadcasts (ops/groups.gather_rows)
+_RANGE_NAMES = {AGREEMENT_RANGE: "batch_agreement", GATHER_RANGE: "all_gather"}
 
 
 def _device_step(kernels: list[DeviceEvent], k: int, lo: float, hi: float, args: dict,
