@@ -14,6 +14,7 @@ parameters after use (a saved weight is gathered again in backward, not kept).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 
@@ -27,6 +28,7 @@ from _equiv import (OPTIMIZERS, Failures, compare_training, default_eager_loss, 
                     report, train_and_compare, zoo_batches, zoo_loss, zoo_model)
 from autohybrid.capture import capture
 from autohybrid.cost.memory import training_state
+from autohybrid.ops import groups
 from autohybrid.ops import zero as zero_ops
 from autohybrid.ops.zero import (chunk, release_gathered, zero_gather,
                                  zero_gather_start_op, zero_gather_wait_op)
@@ -117,29 +119,49 @@ def test_state_bytes_fall_as_the_memory_model_predicts(world):
 def _zero_rank(rank: int, world: int, cases) -> list[str]:
     fails = Failures()
     for name, optimizer, constraints in cases:
-        batches = zoo_batches(name, 8, steps=3)
-        case = f"{name}/{optimizer}/{constraints}"
-        compiled, _ = train_and_compare(fails, case, zoo_model(name), batches, world,
-                                        loss_fn=zoo_loss(name), optimizer=OPTIMIZERS[optimizer],
-                                        constraints=constraints, max_grad_norm=1.0)
-        fails.check(f"{case}: ZeRO-{compiled.plan.zero}, shards "
-                    f"{compiled.zero is not None}", compiled.zero is not None
-                    and compiled.zero.stage == constraints.zero)
-        if constraints.bucket_mb is not None and constraints.zero < 3:
-            # parameters of a bucket's size are gathered straight into their storage
-            fails.check(f"{case}: parameters gathered in place "
-                        f"{sorted(compiled.zero._padded)}", len(compiled.zero._padded) >= 4)
-        # every gather a start issued was waited for (found by its buffer) and none is
-        # left in flight after the step
-        fails.check(f"{case}: gathers left pending {len(zero_ops._PENDING)}",
-                    not zero_ops._PENDING)
+        # cases pinning small buckets gather every bucket by broadcasts (the way gloo runs
+        # the large gathers of real models: ops/groups.all_gather_single), the rest by
+        # gloo's all-gather (tiny models' buckets)
+        broadcast = constraints.bucket_mb is not None
+        with _broadcast_gathers(0 if broadcast else 1 << 40):
+            _zero_case(fails, rank, world, name, optimizer, constraints)
     return fails
+
+
+@contextlib.contextmanager
+def _broadcast_gathers(from_bytes: int):
+    before = groups.BROADCAST_GATHER_BYTES
+    groups.BROADCAST_GATHER_BYTES = from_bytes
+    try:
+        yield
+    finally:
+        groups.BROADCAST_GATHER_BYTES = before
+
+
+def _zero_case(fails, rank, world, name, optimizer, constraints) -> None:
+    batches = zoo_batches(name, 8, steps=3)
+    case = f"{name}/{optimizer}/{constraints}"
+    compiled, _ = train_and_compare(fails, case, zoo_model(name), batches, world,
+                                    loss_fn=zoo_loss(name), optimizer=OPTIMIZERS[optimizer],
+                                    constraints=constraints, max_grad_norm=1.0)
+    fails.check(f"{case}: ZeRO-{compiled.plan.zero}, shards "
+                f"{compiled.zero is not None}", compiled.zero is not None
+                and compiled.zero.stage == constraints.zero)
+    if constraints.bucket_mb is not None and constraints.zero < 3:
+        # parameters of a bucket's size are gathered straight into their storage
+        fails.check(f"{case}: parameters gathered in place "
+                    f"{sorted(compiled.zero._padded)}", len(compiled.zero._padded) >= 4)
+    # every gather a start issued was waited for (found by its buffer) and none is
+    # left in flight after the step
+    fails.check(f"{case}: gathers left pending {len(zero_ops._PENDING)}",
+                not zero_ops._PENDING)
 
 
 @pytest.mark.procs
 @pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
 def test_zero_1_2_3_match_eager_at_dp2():
-    # AdamW's ZeRO-1/2 with 10 KB buckets: the larger parameters gathered in place
+    # AdamW's with 10 KB buckets: ZeRO-1/2's larger parameters gathered in place, and
+    # every gather by broadcasts (_zero_rank)
     cases = [("gpt-tiny", optimizer, C(dp=2, tp=1, pp=1, zero=zero, num_microbatches=2,
                                        bucket_mb=0.01 if optimizer == "adamw" else None))
              for zero in (1, 2, 3) for optimizer in ("sgd", "adamw")]
@@ -160,6 +182,10 @@ def test_zero_composes_with_tp_sp_pp_and_recompute():
                                 num_microbatches=2)),
         ("gpt-tiny", "adamw", C(dp=4, tp=1, pp=1, zero=3, recompute="full",
                                 num_microbatches=1)),
+        # ZeRO-1 over the dp groups of a dp2×tp2 mesh (not the world): broadcasts from
+        # each group's own global ranks
+        ("gpt-tiny", "adamw", C(dp=2, tp=2, pp=1, zero=1, num_microbatches=2,
+                                bucket_mb=0.01)),
     ]
     results = _launch(_zero_rank, 4, cases)
     assert not any(results), report(results)
@@ -365,3 +391,59 @@ def test_the_scatter_layout_and_its_inverse_over_ragged_shapes():
             copy_gathered(flat, [chunk(g.numel(), dp) for g in grads], targets)
             for got, want in zip(targets, grads):
                 assert torch.equal(got, want), (dp, start)
+
+
+# ============================================================================ gathers
+def _gathers_rank(rank: int, world: int) -> list[str]:
+    """all_gather_single against its definition (every rank's input, in group-rank order)
+    by each path (gloo's all-gather, broadcasts), over the world and over two groups of
+    non-adjacent ranks, synchronous and not, in place (the input is this rank's row) and
+    not; counting the broadcasts issued."""
+    import torch.distributed as dist
+    fails = Failures()
+    odd_even = [dist.new_group([r for r in range(world) if r % 2 == k]) for k in (0, 1)]
+    calls = []
+    broadcast = dist.broadcast
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("src"))
+        return broadcast(*args, **kwargs)
+
+    dist.broadcast = counted
+    try:
+        for name, group, members in (("world", None, list(range(world))),
+                                     ("odd/even", odd_even[rank % 2],
+                                      [r for r in range(world) if r % 2 == rank % 2])):
+            for by_broadcast in (False, True):
+                for async_op in (False, True):
+                    for in_place in (False, True):
+                        n = 5
+                        want = torch.cat([torch.arange(n) + 100.0 * r for r in members])
+                        out = torch.full((n * len(members),), float("nan"))
+                        mine = torch.arange(n) + 100.0 * rank
+                        me = members.index(rank)
+                        if in_place:
+                            out[me * n:(me + 1) * n] = mine
+                            mine = out[me * n:(me + 1) * n]
+                        calls.clear()
+                        with _broadcast_gathers(0 if by_broadcast else 1 << 40):
+                            work = groups.all_gather_single(out, mine, group=group,
+                                                            async_op=async_op)
+                        if async_op:
+                            work.wait()
+                        case = f"{name} broadcast={by_broadcast} async={async_op} " \
+                               f"in_place={in_place}"
+                        fails.check(f"{case}: {out.tolist()} != {want.tolist()}",
+                                    torch.equal(out, want))
+                        fails.check(f"{case}: broadcasts from {calls}",
+                                    calls == (members if by_broadcast else []))
+    finally:
+        dist.broadcast = broadcast
+    return fails
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(LAUNCH_TIMEOUT_S + 60)
+def test_all_gathers_equal_their_definition_by_either_path_on_gloo():
+    results = _launch(_gathers_rank, 4)
+    assert not any(results), report(results)

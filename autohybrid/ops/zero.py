@@ -79,11 +79,11 @@ def gather_start(shards: Sequence[torch.Tensor], group: dist.ProcessGroup | None
     if group is None:
         return torch.cat(pieces), None
     # this rank's shards concatenated straight into their row of the result, which is
-    # then gathered in place (gather_rows: broadcasts on gloo)
+    # then gathered in place (all_gather_single: broadcasts on gloo)
     flat = pieces[0].new_empty(dist.get_world_size(group) * sum(p.numel() for p in pieces))
     row = flat.view(dist.get_world_size(group), -1)[dist.get_rank(group)]
     torch.cat(pieces, out=row)
-    return flat, groups.gather_rows(flat, row, group=group, async_op=async_op)
+    return flat, groups.all_gather_single(flat, row, group=group, async_op=async_op)
 
 
 def gather_finish(flat: torch.Tensor, work: object | None, sizes: Sequence[int],

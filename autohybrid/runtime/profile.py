@@ -25,8 +25,8 @@ What torch 2.13 (CPU build, gloo) records for communication, seen by experiment:
 
 The check that every rank passed the same batch (runtime/batch_agreement.py: one small
 all-reduce at the start of each step) runs inside an `ah::batch_agreement` range and its
-interval is named "batch_agreement"; ZeRO's parameter all-gathers, which gloo runs as
-one broadcast per rank (ops/groups.gather_rows), inside an `ah::all_gather` range, and
+interval is named "batch_agreement"; the large all-gathers, which run on gloo as one
+broadcast per rank (ops/groups.all_gather_single), inside an `ah::all_gather` range, and
 their intervals are named "all_gather".
 
 So a communication interval is a `c10d::` issue matched to its `gloo:` event (in issue
@@ -227,8 +227,8 @@ def timeline_from_events(events: Sequence[Any], rank: int, trace_start_s: float 
 
 
 #: ranges whose collectives are named for what they do: the check that every rank
-#: passed the same batch (no gradients), and ZeRO's all-gathers that gloo runs as
-#: broadcasts (ops/groups.gather_rows)
+#: passed the same batch (no gradients), and the all-gathers gloo runs as broadcasts
+#: (ops/groups.all_gather_single)
 _RANGE_NAMES = {AGREEMENT_RANGE: "batch_agreement", GATHER_RANGE: "all_gather"}
 
 

@@ -153,7 +153,7 @@ class ZeroShards:
         group = self._group_of(name)   # (the shard is the row it gathers into)
         if group is None:
             return None
-        return groups.gather_rows(self._padded[name], self.shards[name].detach(),
+        return groups.all_gather_single(self._padded[name], self.shards[name].detach(),
                                   group=group, async_op=True)
 
     def _gather_start(self, names: list[str]) -> tuple[torch.Tensor, object | None]:
