@@ -192,3 +192,44 @@ def test_parameters_other_ops_read_stay_whole_with_their_layers():
     assert "column" in roles.values(), roles        # the others still split
     assert not {"up1.weight", "up1.bias", "down2.weight", "down2.bias"} \
         & set(layout.param_placements), layout.param_placements
+
+
+class _TiedColumnRow(nn.Module):
+    """A square weight tied between a Megatron pair's column (`a`) and row (`b`) linear,
+    beside an untied pair; `shared` is one MLP pair called twice (a repeated module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.b.weight = self.a.weight
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+        self.shared_up, self.shared_down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = x + self.b(F.gelu(self.a(x)))
+        h = h + self.down(F.gelu(self.up(h)))
+        for _ in range(2):
+            h = h + self.shared_down(F.gelu(self.shared_up(h)))
+        return h
+
+
+def test_a_weight_tied_between_a_column_and_a_row_linear_stays_whole():
+    """Before: both linears split the one weight, one by rows and one by columns, and the
+    tp pass failed with torch's "a and b must have same reduction dim". Now they are
+    replicated, saying why; the untied pair and the module called twice (its weight read
+    alike by both calls) still split."""
+    x = torch.randn(4, 16)
+    gm = capture(_TiedColumnRow(), (x,), F.mse_loss, torch.randn(4, 16)).gm
+    layout = megatron_layout(gm)
+    roles: dict[str, set] = {}    # by the linear's (untied) bias: a.bias, b.bias, …
+    for n in gm.graph.nodes:
+        if linear_parts(n) is not None:
+            module = linear_parts(n).bias.meta["ah_param"].removesuffix(".bias")
+            roles.setdefault(module, set()).add(layout.linear_roles.get(n.name))
+    assert roles["a"] == roles["b"] == {"replicate"}, roles
+    assert roles["up"] == {"column"} and roles["down"] == {"row"}, roles
+    assert roles["shared_up"] == {"column"} and roles["shared_down"] == {"row"}, roles
+    assert "a.weight" not in layout.param_placements, layout.param_placements
+    assert not layout.tied_conflicts
+    reasons = set(layout.replicated_for_gradients.values())
+    assert any("a.weight" in why and "split it differently" in why for why in reasons), reasons

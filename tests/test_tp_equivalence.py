@@ -364,3 +364,47 @@ def test_a_no_grad_region_reading_a_split_value_trains_like_eager():
     """The tp pass recomputes the region's fake value with its body (its `get_attr`
     argument); it used to pass None there and refuse every tp plan with a TypeError."""
     _assert_no_failures(_launch(_running_stat_rank, 2))
+
+
+class _TiedPair(nn.Module):
+    """Token model whose first MLP pair ties one square weight between its column and
+    its row linear (`self.b.weight = self.a.weight`), then an untied pair and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+        self.b.weight = self.a.weight
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h = h + self.b(F.gelu(self.a(h)))
+        return self.head(h + self.down(F.gelu(self.up(h))))
+
+
+def _tied_pair_rank(rank: int, world: int) -> list[str]:
+    fails = Failures()
+    g = torch.Generator().manual_seed(2)
+    batches = [((torch.randint(0, 64, (4, 8), generator=g),),
+                torch.randint(0, 64, (4, 8), generator=g)) for _ in range(2)]
+    for sp, optimizer in ((False, "sgd"), (True, "adamw")):
+        torch.manual_seed(0)
+        compiled, _ = train_and_compare(fails, f"tied pair tp2 sp={sp}", _TiedPair().double(),
+                                        batches, world, loss_fn=lm_loss,
+                                        optimizer=OPTIMIZERS[optimizer],
+                                        constraints=_pinned(2, sp))
+        split = {n for n, s in compiled.sharded.specs.items() if s.axis == "tp"}
+        fails.check(f"tied pair sp={sp}: split {sorted(split)}",
+                    "a.weight" not in split and "up.weight" in split)
+    return fails
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(240)
+def test_a_weight_tied_between_a_column_and_a_row_linear_trains_like_eager():
+    """Both linears used to split the one weight differently and the tp pass failed with
+    torch's "a and b must have same reduction dim"; they are now replicated (the untied
+    pair still split)."""
+    _assert_no_failures(_launch(_tied_pair_rank, 2))

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import groups
-from .tensor_parallel import _group, _shard_shape
+from .tensor_parallel import _shard_shape
 
 
 def bounds(length: int, chunks: int) -> list[tuple[int, int]]:
@@ -151,7 +151,7 @@ def cm_gather_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[
     """[linear(sp_gather(x, dim, axis), w_j, b_j) for each j…, the gathered x
     (sequence-first)], transferred and multiplied in `chunks` pipelined pieces. `biases`
     holds the biases of the linears j with `has_bias[j]`, in order."""
-    outs, full = gather_linear(x, weights, _with_gaps(biases, has_bias), dim, _group(axis),
+    outs, full = gather_linear(x, weights, _with_gaps(biases, has_bias), dim, groups.peers(axis),
                                chunks)
     return [*outs, full]
 
@@ -171,7 +171,7 @@ def cm_gather_linear_backward(grads: list[torch.Tensor], full: torch.Tensor,
                               weights: list[torch.Tensor], has_bias: list[bool], dim: int,
                               axis: str, chunks: int) -> list[torch.Tensor]:
     """Backward of `cm_gather_linear`: [grad x, grad w_j…, grad b_j (with a bias)…]."""
-    return gather_linear_backward(grads, full, weights, has_bias, dim, _group(axis), chunks)
+    return gather_linear_backward(grads, full, weights, has_bias, dim, groups.peers(axis), chunks)
 
 
 @cm_gather_linear_backward.register_fake
@@ -241,7 +241,7 @@ def cm_linear_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, dim: int, ax
                              chunks: int) -> torch.Tensor:
     """sp_reduce_scatter(linear(x, weight), dim, axis), multiplied and reduce-scattered in
     `chunks` pipelined pieces."""
-    return linear_reduce_scatter(x, weight, dim, _group(axis), chunks)
+    return linear_reduce_scatter(x, weight, dim, groups.peers(axis), chunks)
 
 
 @cm_linear_reduce_scatter.register_fake
@@ -255,7 +255,7 @@ def cm_linear_reduce_scatter_backward(grad: torch.Tensor, x: torch.Tensor,
                                       weight: torch.Tensor, dim: int, axis: str,
                                       chunks: int) -> list[torch.Tensor]:
     """Backward of `cm_linear_reduce_scatter`: [grad x, grad weight]."""
-    return linear_reduce_scatter_backward(grad, x, weight, dim, _group(axis), chunks)
+    return linear_reduce_scatter_backward(grad, x, weight, dim, groups.peers(axis), chunks)
 
 
 @cm_linear_reduce_scatter_backward.register_fake

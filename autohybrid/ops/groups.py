@@ -148,10 +148,19 @@ def get(axis: str) -> dist.ProcessGroup | None:
             "the groups of its Plan") from None
 
 
+def peers(axis: str) -> dist.ProcessGroup | None:
+    """The group of `axis`, or None when there is nobody to talk to (no axis, no group
+    bound for a one-rank mesh, or a group of one)."""
+    if not axis:
+        return None
+    group = get(axis)
+    return group if group is not None and dist.get_world_size(group) > 1 else None
+
+
 def all_reduce(t, axis: str):
     """Sum `t` in place over the ranks of `axis` (nothing to do on one rank); returns it."""
-    group = get(axis)
-    if group is not None and dist.get_world_size(group) > 1:
+    group = peers(axis)
+    if group is not None:
         dist.all_reduce(t, group=group)
     return t
 

@@ -76,11 +76,6 @@ def _act_backward(grad: torch.Tensor, g: torch.Tensor, act: str) -> torch.Tensor
     return aten.threshold_backward(grad, torch.relu(g), 0)
 
 
-def _group(axis: str) -> dist.ProcessGroup | None:
-    if not axis:
-        return None
-    group = groups.get(axis)
-    return group if group is not None and dist.get_world_size(group) > 1 else None
 
 
 # ------------------------------------------------------------------ the routing, as data
@@ -192,7 +187,7 @@ def _experts(xe: torch.Tensor, counts: list[int], gate_up: torch.Tensor,
 def _forward(x, top_k_index, top_k_weights, gate_up, down, num_experts, act, axis, chunks):
     """Chunk by chunk: chunk i+1's rows travel to their experts while chunk i's are
     computed, and chunk i's results travel back while chunk i+1's are."""
-    group = _group(axis)
+    group = groups.peers(axis)
     routings = _route(top_k_index, num_experts, gate_up.shape[0], group,
                       chunks if group is not None else 1)
     issued = _start(x[routings[0].tokens], routings[0].recv, routings[0].send, group)
@@ -315,7 +310,7 @@ def experts_backward(grad: torch.Tensor, x: torch.Tensor, top_k_weights: torch.T
     """(grad x, grad weights, grad gate_up, grad down) of `moe_experts` given the routing
     and saved rows of each chunk, pipelined as forward is: chunk i+1's output gradients
     travel to the experts while chunk i's expert backward runs."""
-    group = _group(axis)
+    group = groups.peers(axis)
     weights = top_k_weights.reshape(-1)
     gw = torch.zeros(top_k_weights.numel(), dtype=top_k_weights.dtype, device=x.device)
 

@@ -37,10 +37,6 @@ from ..errors import RuntimeFailure
 from . import groups
 
 
-def _group(axis: str) -> dist.ProcessGroup | None:
-    """The group of `axis`, or None when there is nobody to talk to."""
-    group = groups.get(axis)
-    return group if group is not None and dist.get_world_size(group) > 1 else None
 
 
 def _shard_shape(x: torch.Tensor, dim: int, n: int, op: str, axis: str) -> list[int]:
@@ -94,7 +90,7 @@ def _slice(x: torch.Tensor, dim: int, group: dist.ProcessGroup, axis: str) -> to
 @torch.library.custom_op("autohybrid::tp_copy", mutates_args=())
 def tp_copy(x: torch.Tensor, axis: str) -> torch.Tensor:
     """Identity; backward all-reduces (sums) the gradient over `axis`."""
-    _group(axis)  # an unbound axis fails here as in every other op
+    groups.peers(axis)  # an unbound axis fails here as in every other op
     return x.clone(memory_format=torch.contiguous_format)
 
 
@@ -102,7 +98,7 @@ def tp_copy(x: torch.Tensor, axis: str) -> torch.Tensor:
 def tp_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
     """All-reduce (sum) over `axis`; backward passes the gradient through."""
     out = x.clone(memory_format=torch.contiguous_format)
-    group = _group(axis)
+    group = groups.peers(axis)
     if group is not None:
         dist.all_reduce(out, group=group)
     return out
@@ -111,7 +107,7 @@ def tp_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
 @torch.library.custom_op("autohybrid::tp_gather", mutates_args=())
 def tp_gather(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
     """All-gather equal shards along `dim`; backward keeps this rank's slice."""
-    group = _group(axis)
+    group = groups.peers(axis)
     return x.clone(memory_format=torch.contiguous_format) if group is None \
         else _all_gather(x, dim, group)
 
@@ -119,7 +115,7 @@ def tp_gather(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
 @torch.library.custom_op("autohybrid::tp_split", mutates_args=())
 def tp_split(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
     """This rank's equal slice along `dim`; backward all-gathers the gradient."""
-    group = _group(axis)
+    group = groups.peers(axis)
     return x.clone(memory_format=torch.contiguous_format) if group is None \
         else _slice(x, dim, group, axis)
 
@@ -127,7 +123,7 @@ def tp_split(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
 @torch.library.custom_op("autohybrid::sp_reduce_scatter", mutates_args=())
 def sp_reduce_scatter(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
     """Reduce-scatter (sum) along `dim`; backward all-gathers the gradient."""
-    group = _group(axis)
+    group = groups.peers(axis)
     return x.clone(memory_format=torch.contiguous_format) if group is None \
         else _reduce_scatter(x, dim, group, axis)
 
@@ -135,7 +131,7 @@ def sp_reduce_scatter(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
 @torch.library.custom_op("autohybrid::sp_gather", mutates_args=())
 def sp_gather(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
     """All-gather along `dim`; backward reduce-scatters (sums) the gradient."""
-    group = _group(axis)
+    group = groups.peers(axis)
     return x.clone(memory_format=torch.contiguous_format) if group is None \
         else _all_gather(x, dim, group)
 
@@ -197,7 +193,7 @@ for _op, _partner in ((tp_copy, tp_reduce), (tp_reduce, tp_copy), (tp_gather, tp
 @torch.library.custom_op("autohybrid::tp_sum_replicas", mutates_args=())
 def tp_sum_replicas(x: torch.Tensor, ways: int, axis: str) -> torch.Tensor:
     """Σ of `x` over the ranks holding the same one of `ways` shards (consecutive tp ranks)."""
-    group = _group(axis)
+    group = groups.peers(axis)
     if group is None:
         return x.clone(memory_format=torch.contiguous_format)
     n = dist.get_world_size(group)
@@ -217,7 +213,7 @@ def _(x, ways, axis):
 @torch.library.custom_op("autohybrid::tp_replicated", mutates_args=())
 def tp_replicated(x: torch.Tensor, ways: int, axis: str) -> torch.Tensor:
     """Identity on a shard held by tp / `ways` ranks; backward sums the replicas' grads."""
-    _group(axis)
+    groups.peers(axis)
     return x.clone(memory_format=torch.contiguous_format)
 
 
@@ -295,7 +291,7 @@ def _back_shape(buffer: torch.Tensor, dim: int, ndim: int) -> list[int]:
 def tp_reduce_start(x: torch.Tensor, axis: str) -> torch.Tensor:
     """Issue tp_reduce's all-reduce; the buffer it fills (wait with tp_reduce_wait)."""
     out = x.clone(memory_format=torch.contiguous_format)
-    group = _group(axis)
+    group = groups.peers(axis)
     work = None if group is None else dist.all_reduce(out, group=group, async_op=True)
     return _issued(out, work, None)
 
@@ -307,7 +303,7 @@ def tp_reduce_wait(buffer: torch.Tensor, x: torch.Tensor, axis: str) -> torch.Te
 
 
 def _gather_start(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
-    group = _group(axis)
+    group = groups.peers(axis)
     if group is None:
         return x.movedim(dim, 0).clone(memory_format=torch.contiguous_format)
     src = _front(x, dim)
@@ -344,7 +340,7 @@ def sp_gather_wait(buffer: torch.Tensor, x: torch.Tensor, dim: int, axis: str) -
 def sp_reduce_scatter_start(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
     """Issue sp_reduce_scatter's reduce-scatter; the buffer it fills (wait with
     sp_reduce_scatter_wait)."""
-    group = _group(axis)
+    group = groups.peers(axis)
     if group is None:
         return x.movedim(dim, 0).clone(memory_format=torch.contiguous_format)
     src = _front(x, dim)

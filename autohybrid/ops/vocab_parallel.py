@@ -109,9 +109,7 @@ def vocab_parallel_cross_entropy(logits_shard: torch.Tensor, target: torch.Tenso
                                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token cross-entropy over the vocabulary split on `axis`; returns (loss, lse)."""
     x, pad = _real_logits(logits_shard, vocab_start, vocab_size)
-    group = groups.get(axis)
-    if group is not None and dist.get_world_size(group) == 1:
-        group = None
+    group = groups.peers(axis)
     top = x.amax(-1)
     if group is not None:
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)

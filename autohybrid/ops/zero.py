@@ -66,9 +66,6 @@ def shard_of(t: torch.Tensor, dp: int, rank: int) -> torch.Tensor:
     return out
 
 
-def _group(axis: str) -> dist.ProcessGroup | None:
-    group = groups.get(axis)
-    return group if group is not None and dist.get_world_size(group) > 1 else None
 
 
 def gather_start(shards: Sequence[torch.Tensor], group: dist.ProcessGroup | None,
@@ -178,7 +175,7 @@ _PENDING: dict[int, object] = {}   # id(flat result of a start) → its pending 
 
 @torch.library.custom_op("autohybrid::zero_gather_start", mutates_args=())
 def _zero_gather_start(shards: list[torch.Tensor], dp: int, axis: str) -> torch.Tensor:
-    group = _group(axis)
+    group = groups.peers(axis)
     flat, work = gather_start(shards, group, async_op=True)
     if work is not None:
         _PENDING[id(flat)] = work
@@ -233,7 +230,7 @@ def _backward(ctx, grads):
     present = [i for i, g in enumerate(grads) if g is not None]
     cast = getattr(torch, ctx.reduce_dtype) if ctx.reduce_dtype else None
     sent = [grads[i] if cast is None else grads[i].to(cast) for i in present]
-    group = _group(ctx.axis)
+    group = groups.peers(ctx.axis)
     out: list[torch.Tensor | None] = [None] * len(grads)
     rest = (None,) * (len(ctx.needs_input_grad) - 2)
     if _DEFERRING and group is not None and sent and all(
@@ -327,7 +324,7 @@ def zero_gather(shards: Sequence[torch.Tensor], shapes: Sequence[Sequence[int]],
     """Whole parameters of `shapes` from every rank's flat `shards` over `axis`: a start
     and its wait, back to back."""
     dims = [int(d) for shape in shapes for d in shape]
-    group = _group(axis)
+    group = groups.peers(axis)
     dp = dist.get_world_size(group) if group is not None else 1
     flat = _zero_gather_start(list(shards), dp, axis)
     return _zero_gather_wait(flat, list(shards), dims, [len(s) for s in shapes], axis)
@@ -359,14 +356,14 @@ class _Layer:
 
     def whole(self, index: int) -> torch.Tensor:
         if self._whole is None:
-            flat, work = self._pending or gather_start(self.shards, _group(self.axis))
+            flat, work = self._pending or gather_start(self.shards, groups.peers(self.axis))
             self._pending = None
             self._whole = gather_finish(flat, work, [s.numel() for s in self.shards],
                                         self.shapes)
             before = self.previous
             if before is not None and before.saved and before._whole is None \
                     and before._pending is None:
-                before._pending = gather_start(before.shards, _group(before.axis), True)
+                before._pending = gather_start(before.shards, groups.peers(before.axis), True)
         return self._whole[index]
 
     def keep(self, whole: list[torch.Tensor]) -> None:

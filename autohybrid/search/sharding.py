@@ -276,6 +276,9 @@ class TensorParallelLayout:
     partial_grads: dict[str, tuple[str, str]] = field(default_factory=dict)
     #: batch norms run on channel shards (their input split by channels)
     channel_norms: set[str] = field(default_factory=set)
+    #: parameter → the linears reading it, where they would split it differently (a
+    #: weight tied between a column and a row linear): megatron_layout replicates them
+    tied_conflicts: dict[str, list[str]] = field(default_factory=dict)
 
     def is_sharded(self, node: fx.Node) -> bool:
         return self.placements.get(node.name, R) != R
@@ -605,6 +608,7 @@ def propagate_layout(gm: fx.GraphModule, choices: dict[str, str],
     layout = TensorParallelLayout()
     place = layout.placements
     whole = whole_table_embeddings(gm) | params_read_elsewhere(gm)
+    splits: dict[str, dict[str, str]] = {}    # param → linear → how that linear splits it
     for node in gm.graph.nodes:
         if node.op != "call_function":
             place[node.name] = R
@@ -622,12 +626,14 @@ def propagate_layout(gm: fx.GraphModule, choices: dict[str, str],
             place[node.name] = R
             continue
         parts = linear_parts(node)
-        if parts is not None and (param_key(parts.weight) in whole or (
-                parts.bias is not None and param_key(parts.bias) in whole)):
-            _whole_linear(node, parts, layout)
-            continue
         if parts is not None:
-            _linear(node, parts, layout, choices.get(node.name), node.name in forced)
+            if param_key(parts.weight) in whole or (
+                    parts.bias is not None and param_key(parts.bias) in whole):
+                _whole_linear(node, parts, layout)
+            else:
+                _linear(node, parts, layout, choices.get(node.name), node.name in forced)
+            for key, split in _param_splits(node, parts, layout).items():
+                splits.setdefault(key, {})[node.name] = split
             continue
         if name == "aten.embedding.default":
             place[node.name] = R
@@ -670,7 +676,22 @@ def propagate_layout(gm: fx.GraphModule, choices: dict[str, str],
             if moved[1]:
                 layout.blocks[node.name] = moved[1]
     mark_key_value_projections(gm, layout)
+    layout.tied_conflicts = {key: list(users) for key, users in splits.items()
+                             if len(set(users.values())) > 1}
     return layout
+
+
+def _param_splits(node: fx.Node, parts: LinearParts,
+                  layout: TensorParallelLayout) -> dict[str, str]:
+    """How linear `node` reads its weight and bias under `layout`: whole (R) or the
+    placement of its shard. A parameter several linears read (tied, or a module called
+    more than once) must be read alike by all: it has one placement on each rank."""
+    role = layout.linear_roles.get(node.name)
+    out = {param_key(parts.weight): (shard(parts.row_dim) if role == "row"
+                                     else shard(parts.column_dim) if role == "column" else R)}
+    if parts.bias is not None:
+        out[param_key(parts.bias)] = shard(0) if role == "column" else R
+    return out
 
 
 def _is_norm_statistic(node: fx.Node) -> bool:

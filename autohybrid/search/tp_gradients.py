@@ -177,6 +177,27 @@ def sharding_sources(gm: fx.GraphModule, layout: TensorParallelLayout, origin: s
     return found
 
 
+def _replicate_tied(gm: fx.GraphModule, layout: TensorParallelLayout,
+                    forced: dict[str, str]) -> bool:
+    """Replicate the linears of each parameter that linears would split differently
+    (`layout.tied_conflicts`: a weight tied between a column and a row linear reads, on
+    each rank, the one shard its single placement holds — a wrong product for one of
+    them), and the column linears splitting the input of a row one among them (a row
+    linear is row-parallel because its input is split). Whether anything was added."""
+    added = False
+    for key, users in layout.tied_conflicts.items():
+        why = (f"its parameter {key} is also read by "
+               f"{', '.join(users)}, which would split it differently")
+        for linear in users:
+            more = [linear] + (sharding_sources(gm, layout, linear)
+                               if layout.linear_roles.get(linear) == "row" else [])
+            for name in more:
+                if name not in forced:
+                    forced[name] = why
+                    added = True
+    return added
+
+
 def megatron_layout(gm: fx.GraphModule, choices: dict[str, str] | None = None
                     ) -> TensorParallelLayout:
     """Propagate Megatron's shardings through `gm` (forward graph order), proven.
@@ -191,6 +212,14 @@ def megatron_layout(gm: fx.GraphModule, choices: dict[str, str] | None = None
     forced: dict[str, str] = {}
     while True:
         layout = propagate_layout(gm, choices, forced)
+        if layout.tied_conflicts:
+            if not _replicate_tied(gm, layout, forced):
+                key, users = next(iter(layout.tied_conflicts.items()))
+                raise PlanError(
+                    f"tensor parallelism: parameter {key!r} is read by linears that would "
+                    f"split it differently ({', '.join(users)}) and no replicated layout "
+                    "resolves it; pin tp=1")
+            continue
         problems = gradient_problems(gm, layout)
         if not problems:
             layout.partial_grads.clear()
