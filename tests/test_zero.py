@@ -439,6 +439,14 @@ def _gathers_rank(rank: int, world: int) -> list[str]:
                                     calls == (members if by_broadcast else []))
     finally:
         dist.broadcast = broadcast
+    # ZeRO's gather of shards of two dtypes: in the promoted one, as torch.cat gives
+    shards = [torch.arange(3, dtype=torch.float32) + 10 * rank,
+              torch.arange(2, dtype=torch.float64) - 10 * rank]
+    flat, work = zero_ops.gather_start(shards, None if world == 1 else dist.group.WORLD)
+    want = torch.cat([torch.cat([torch.arange(3.0) + 10 * r, torch.arange(2.0) - 10 * r])
+                      for r in range(world)]).double()
+    fails.check(f"mixed dtypes: {flat.dtype} {flat.tolist()}",
+                flat.dtype == torch.float64 and torch.equal(flat, want))
     return fails
 
 

@@ -76,8 +76,6 @@ def _act_backward(grad: torch.Tensor, g: torch.Tensor, act: str) -> torch.Tensor
     return aten.threshold_backward(grad, torch.relu(g), 0)
 
 
-
-
 # ------------------------------------------------------------------ the routing, as data
 
 @dataclass

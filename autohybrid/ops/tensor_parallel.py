@@ -37,8 +37,6 @@ from ..errors import RuntimeFailure
 from . import groups
 
 
-
-
 def _shard_shape(x: torch.Tensor, dim: int, n: int, op: str, axis: str) -> list[int]:
     shape = list(x.shape)
     if shape[dim] % n:

@@ -66,8 +66,6 @@ def shard_of(t: torch.Tensor, dp: int, rank: int) -> torch.Tensor:
     return out
 
 
-
-
 def gather_start(shards: Sequence[torch.Tensor], group: dist.ProcessGroup | None,
                  async_op: bool = False) -> tuple[torch.Tensor, object | None]:
     """Issue the all-gather of every rank's flat `shards`: (the flat `(dp, Σc)` result,
@@ -76,10 +74,16 @@ def gather_start(shards: Sequence[torch.Tensor], group: dist.ProcessGroup | None
     if group is None:
         return torch.cat(pieces), None
     # this rank's shards concatenated straight into their row of the result, which is
-    # then gathered in place (all_gather_single: broadcasts on gloo)
-    flat = pieces[0].new_empty(dist.get_world_size(group) * sum(p.numel() for p in pieces))
+    # then gathered in place (all_gather_single: broadcasts on gloo); shards of several
+    # dtypes are concatenated in their promoted one first, as torch.cat does
+    mixed = torch.cat(pieces) if len({p.dtype for p in pieces}) > 1 else None
+    like = pieces[0] if mixed is None else mixed
+    flat = like.new_empty(dist.get_world_size(group) * sum(p.numel() for p in pieces))
     row = flat.view(dist.get_world_size(group), -1)[dist.get_rank(group)]
-    torch.cat(pieces, out=row)
+    if mixed is None:
+        torch.cat(pieces, out=row)
+    else:
+        row.copy_(mixed)
     return flat, groups.all_gather_single(flat, row, group=group, async_op=async_op)
 
 
