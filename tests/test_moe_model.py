@@ -243,6 +243,31 @@ def test_a_skewed_router_makes_expert_parallelism_dearer():
         ah.plan(model, cluster, (ids,), moe_load_skew=-1, **kw)
 
 
+def test_a_balanced_routers_sampling_noise_is_priced(monkeypatch):
+    """routing_skew: the busiest of ep ranks' share of uniformly random routes over the
+    mean, against a simulation of the multinomial; and the pricing charges it under ep
+    even with `moe_load_skew=0` (more with fewer routes per rank)."""
+    import numpy as np
+
+    from autohybrid.search import pricing
+    rng = np.random.default_rng(0)
+    for ep, routes in ((2, 16), (2, 64), (4, 256), (8, 64), (8, 8192), (64, 128)):
+        counts = rng.multinomial(ep * routes, [1 / ep] * ep, size=4000)
+        simulated = counts.max(1).mean() / routes - 1
+        assert pricing.routing_skew(routes, ep) == pytest.approx(simulated, rel=0.1), \
+            (ep, routes)
+    assert pricing.routing_skew(100, 1) == pricing.routing_skew(0, 8) == 0.0
+    model = ah.models.preset("moe-tiny", device="meta", layers=2, hidden=64, heads=4,
+                             experts=8, expert_hidden=256)
+    (ids,), targets = ah.models.example_batch("moe-tiny", 16, device="meta")
+    kw = dict(loss_fn=moe_loss, example_targets=targets, constraints=ah.Constraints(dp=4, ep=4))
+    cluster = ah.Cluster.preset("dgx-h100", nodes=1)
+    noisy = ah.plan(model, cluster, (ids,), **kw).predicted.step_time_s
+    monkeypatch.setattr(pricing, "routing_skew", lambda routes, ep: 0.0)
+    exact = ah.plan(model, cluster, (ids,), **kw).predicted.step_time_s
+    assert noisy > exact
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_mixtral_on_64_gpus_is_planned_with_expert_parallelism_and_says_why():

@@ -24,7 +24,7 @@ What torch 2.13 (CPU build, gloo) records for communication, seen by experiment:
   `record_param_comms` or `ProcessGroup*` events appear on this build.
 
 The check that every rank passed the same batch (runtime/batch_agreement.py: one small
-all-reduce at the start of each step) runs inside an `ah::batch_agreement` range and its
+all-gather at the start of each step) runs inside an `ah::batch_agreement` range and its
 interval is named "batch_agreement"; the large all-gathers, which run on gloo as one
 broadcast per rank (ops/groups.all_gather_single), inside an `ah::all_gather` range, and
 their intervals are named "all_gather".

@@ -29,7 +29,7 @@ from .tp_choice import Rates, choose_layout
 FIELDS = ("mm_sharded", "mm_replicated", "other_sharded", "other_replicated",
           "bytes_sharded", "bytes_replicated", "saved_sharded", "saved_replicated",
           "attention_flops", "attention_saved", "attention_scores", "input_bytes", "mm_kv",
-          "mm_vocab", "moe_routed", "moe_flops")
+          "mm_vocab", "moe_routed", "moe_flops", "moe_routes")
 
 
 @dataclass(frozen=True)
@@ -244,6 +244,7 @@ def _compile_layer(layer: Layer, layout: TensorParallelLayout, subs: dict, batch
             sums["moe_routed"].append(numel_expr(index) * sym_expr(x.shape[-1])
                                       * x.element_size())
             sums["moe_flops"].append(forward_flops(node))
+            sums["moe_routes"].append(numel_expr(index))   # tokens × top-k
         if name == "aten.scaled_dot_product_attention.default":
             sums["attention_flops"].append(forward_flops(node))
             q, k = node.args[0].meta[VAL], node.args[1].meta[VAL]  # (B, H, Tq, D), (B, H, Tk, D)
