@@ -230,17 +230,21 @@ def test_chunks_hide_the_exchange_behind_the_experts_as_far_as_the_link_hides_it
     assert moe_exchange(opaque, ranks, n, 0.01)[0] == 1
 
 
-def test_a_skewed_router_makes_expert_parallelism_dearer():
+def _ep4_plan(**extra):
+    """A small moe-tiny planned at dp4 × ep4 on one H100 node (`extra`: ah.plan's)."""
     model = ah.models.preset("moe-tiny", device="meta", layers=2, hidden=64, heads=4,
                              experts=8, expert_hidden=256)
     (ids,), targets = ah.models.example_batch("moe-tiny", 16, device="meta")
-    kw = dict(loss_fn=moe_loss, example_targets=targets, constraints=ah.Constraints(dp=4, ep=4))
-    cluster = ah.Cluster.preset("dgx-h100", nodes=1)
-    fair = ah.plan(model, cluster, (ids,), **kw).predicted.step_time_s
-    skewed = ah.plan(model, cluster, (ids,), moe_load_skew=0.5, **kw).predicted.step_time_s
+    return ah.plan(model, ah.Cluster.preset("dgx-h100", nodes=1), (ids,), loss_fn=moe_loss,
+                   example_targets=targets, constraints=ah.Constraints(dp=4, ep=4), **extra)
+
+
+def test_a_skewed_router_makes_expert_parallelism_dearer():
+    fair = _ep4_plan().predicted.step_time_s
+    skewed = _ep4_plan(moe_load_skew=0.5).predicted.step_time_s
     assert skewed > fair
     with pytest.raises(ah.InputError, match="moe_load_skew"):
-        ah.plan(model, cluster, (ids,), moe_load_skew=-1, **kw)
+        _ep4_plan(moe_load_skew=-1)
 
 
 def test_a_balanced_routers_sampling_noise_is_priced(monkeypatch):
@@ -257,14 +261,9 @@ def test_a_balanced_routers_sampling_noise_is_priced(monkeypatch):
         assert pricing.routing_skew(routes, ep) == pytest.approx(simulated, rel=0.1), \
             (ep, routes)
     assert pricing.routing_skew(100, 1) == pricing.routing_skew(0, 8) == 0.0
-    model = ah.models.preset("moe-tiny", device="meta", layers=2, hidden=64, heads=4,
-                             experts=8, expert_hidden=256)
-    (ids,), targets = ah.models.example_batch("moe-tiny", 16, device="meta")
-    kw = dict(loss_fn=moe_loss, example_targets=targets, constraints=ah.Constraints(dp=4, ep=4))
-    cluster = ah.Cluster.preset("dgx-h100", nodes=1)
-    noisy = ah.plan(model, cluster, (ids,), **kw).predicted.step_time_s
+    noisy = _ep4_plan().predicted.step_time_s
     monkeypatch.setattr(pricing, "routing_skew", lambda routes, ep: 0.0)
-    exact = ah.plan(model, cluster, (ids,), **kw).predicted.step_time_s
+    exact = _ep4_plan().predicted.step_time_s
     assert noisy > exact
 
 
