@@ -11,8 +11,9 @@ then compute exactly what they would on whole parameters.
             buckets reduce-scattered in the last backward     the optimizer step (one
     2       buckets reduce-scattered in every microbatch's    all-gather per bucket; a
             backward: only shard gradients outlive it         parameter of a bucket's
-                                                              size or more: its own,
-                                                              straight into its storage)
+                                                              size or 1 MiB or more: its
+                                                              own, straight into its
+                                                              storage)
     3       reduce-scatter in backward, per layer            shards only: graphs gather
             (ops/zero.py's gather start/wait)                  each layer's parameters
                                                               before use (passes/zero.py)
@@ -57,8 +58,8 @@ class ZeroShards:
         self.numel = {name: p.numel() for name, p in params.items()}
         self.shape = {name: tuple(p.shape) for name, p in params.items()}
         self.bucket_bytes = bucket_bytes
-        #: ZeRO-1/2: name → the padded flat storage of a parameter of at least a bucket's
-        #: bytes (`_gather_in_place`): its all-gather writes the whole value there
+        #: ZeRO-1/2: name → the padded flat storage of a parameter of a bucket's bytes or
+        #: PAD_BYTES or more (`_gather_in_place`): its all-gather writes the whole value there
         self._padded = self._pad_large() if stage < 3 else {}
         self.shards = {name: nn.Parameter(self._row(name) if name in self._padded
                                           else values_of(name) if p.is_meta
@@ -71,8 +72,8 @@ class ZeroShards:
         """Parameters of `bucket_bytes` (or `PAD_BYTES`, the smaller) or more become views
         of `ways · c` elements: the all-gather of their shards (rank-major, `c` each) lays
         the whole value out at the start of that buffer, so `gather_params` gathers them
-        straight into the
-        parameters, with no concatenation before and no copy after (on 2 CPU ranks those
+        straight into the parameters, with no concatenation before and no copy after (on
+        2 CPU ranks those
         two copies of a 13 M-parameter GPT took ~12 ms of a ~450 ms step, beside
         ZeroRedundancyOptimizer's in-place broadcasts). Their shards are this rank's row
         of the buffer (`_row`): the optimizer updates the whole parameter's slice in
@@ -163,7 +164,7 @@ class ZeroShards:
         if group is None:
             return None
         return groups.all_gather_single(self._padded[name], self.shards[name].detach(),
-                                  group=group, async_op=True)
+                                        group=group, async_op=True)
 
     def _gather_start(self, names: list[str]) -> tuple[torch.Tensor, object | None]:
         return gather_start([self.shards[n].detach() for n in names],
