@@ -198,7 +198,8 @@ def bench(model: str | Callable[[], tuple], cluster: Cluster, *,
           json_path: str | Path | None = None, plot_path: str | Path | None = None,
           seed: int = 0, loss_tolerance: float = 1e-5,
           timeout_s: float | None = None, start_method: str | None = None,
-          dtype: torch.dtype | str | None = None, breakdown: bool = False) -> BenchResult:
+          dtype: torch.dtype | str | None = None, breakdown: bool = False,
+          calibration: Any = None) -> BenchResult:
     """Train `model` eagerly in one process, compiled by autohybrid, and (`baselines`)
     with the hand-written PyTorch baseline of the plan's layout, on `cluster` (local
     processes); return their step times, throughput, memory, exposed communication and
@@ -214,8 +215,15 @@ def bench(model: str | Callable[[], tuple], cluster: Cluster, *,
     the baseline train under the same autocast. Writes the JSON to `json_path` and a plot
     to `plot_path`. `start_method`: how `ah.launch` starts the ranks (None: spawn on CUDA,
     fork on CPU; under spawn a factory `model` must be a top-level function).
+    `calibration`: a profile from `ah.calibrate` (or its JSON path): the plan is searched,
+    and predicted, with the figures it measured (`Profile.apply`) instead of the
+    cluster's placeholders.
     """
     _check_cluster(cluster)
+    if calibration is not None:
+        from .api import load_calibration
+
+        cluster = load_calibration(calibration).apply(cluster)
     job = _Job(source=_source(model, global_batch), global_batch=global_batch,
                steps=_count("steps", steps, 1), warmup=_count("warmup", warmup, 0),
                plan=_typed("plan", plan, Plan), constraints=_typed("constraints", constraints,

@@ -44,6 +44,8 @@ def _add_planning(p: argparse.ArgumentParser, cluster_default: str) -> None:
     p.add_argument("--constrain", default="",
                    help="pin choices, e.g. tp=2,pp=2,zero=1 (ah.Constraints fields)")
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.add_argument("--calibration", default=None,
+                   help="a profile from `autohybrid calibrate` (price with measured figures)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,8 +70,6 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--plots", default=None, metavar="DIR",
                       help="write timeline.png and memory.png (matplotlib) to DIR")
     plan.add_argument("--list-models", action="store_true", help="list the zoo presets and exit")
-    plan.add_argument("--calibration", default=None,
-                      help="a profile from `autohybrid calibrate` (price with measured figures)")
     inspect = sub.add_parser(
         "inspect", help="show a saved plan: mesh, stages, shards and each pass's graph",
         description="Rebuild the model a plan was made for (the plan records it) on the "
@@ -491,7 +491,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        constraints=_constraints(args.constrain) if args.constrain else None,
                        optimizer=args.optimizer, lr=args.lr, baselines=not args.no_baselines,
                        json_path=args.out, plot_path=args.plot,
-                       start_method=args.start_method, breakdown=args.breakdown)
+                       start_method=args.start_method, breakdown=args.breakdown,
+                       calibration=args.calibration)
     except (AutohybridError, ValueError, OSError) as exc:
         return _fail("bench", exc)
     try:
@@ -529,7 +530,7 @@ def _run_plan(path: str | None, spec, cluster, dtype: str | None, command: str =
     return plan
 
 
-def _train_rank(rank: int, ref: str, world: int, steps: int, plan_json: str | None,
+def _train_rank(rank: int, ref: str, cluster: Any, steps: int, plan_json: str | None,
                 constraints: Any, global_batch: int | None, optimizer: str, lr: float,
                 save: str | None, check: str | None = None,
                 fit_options: dict[str, Any] | None = None,
@@ -541,7 +542,6 @@ def _train_rank(rank: int, ref: str, world: int, steps: int, plan_json: str | No
     from . import api
     from .baselines import Optim
     from .bench import OPTIMIZERS
-    from .cluster import Cluster
     from .models import spec as model_spec
     from .plan import Plan
 
@@ -550,7 +550,7 @@ def _train_rank(rank: int, ref: str, world: int, steps: int, plan_json: str | No
     batches = work.batches(steps, batch=batch, seed=1)
     make = Optim(OPTIMIZERS[optimizer][0], {"lr": lr})  # as ah.bench builds it
     inputs, targets = batches[0]
-    compiled = api.compile(work.model, Cluster.local(world), inputs, loss_fn=work.loss_fn,
+    compiled = api.compile(work.model, cluster, inputs, loss_fn=work.loss_fn,
                            example_targets=targets, optimizer=make,
                            plan=Plan.from_json(plan_json) if plan_json else None,
                            constraints=constraints, global_batch=batch, dtype=dtype,
@@ -587,8 +587,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         spec = _spec(target, args.seq)
         constraints = _constraints(args.constrain) if args.constrain else None
         _run_plan(args.plan, spec, cluster, args.dtype)
+        if args.calibration is not None:   # the ranks plan with the measured figures
+            from .api import load_calibration
+
+            cluster = load_calibration(args.calibration).apply(cluster)
         results = launch(_train_rank, cluster, args=(
-            spec.ref, cluster.world_size, args.steps, args.plan, constraints,
+            spec.ref, cluster, args.steps, args.plan, constraints,
             args.global_batch, args.optimizer, args.lr, args.save, args.check, fit_options,
             args.dtype), start_method=args.start_method)
     except (AutohybridError, ValueError, OSError) as exc:
@@ -647,6 +651,12 @@ def _train_script(args: argparse.Namespace) -> int:
     cluster = args.cluster
     if not cluster.startswith("local:") or not cluster[6:].isdigit() or int(cluster[6:]) < 1:
         print(f"autohybrid train: a script runs on --cluster local:N, got {cluster!r}",
+              file=sys.stderr)
+        return EXIT_NO_PLAN
+    if args.calibration is not None:
+        print("autohybrid train: a script plans itself, so --calibration does not reach "
+              "it; apply the profile there (from autohybrid.calibrate import Profile; "
+              "cluster = Profile.from_json(FILE).apply(ah.Cluster.from_env()))",
               file=sys.stderr)
         return EXIT_NO_PLAN
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -53,6 +53,9 @@ INTER_NODE_LATENCY_S = 22.5e-6
 #: Not in REF: the few µs commonly quoted for a CUDA kernel launch with PyTorch's dispatch
 #: (same order as REF's 5–10 µs per collective call); `autohybrid calibrate` measures it.
 LAUNCH_OVERHEAD_S = 5e-6
+#: Share of a gloo collective between local CPU processes that compute started after it
+#: hides, uncalibrated (the "gloo-local" link below says where it comes from).
+GLOO_LOCAL_HIDDEN = 1 / 3
 
 #: Output tiles (rows, columns) a GPU GEMM library chooses among; each tile is one thread
 #: block on one SM, the blocks run in waves of `sm_count`, and a partial last wave leaves
@@ -387,11 +390,17 @@ LINKS: Mapping[str, LinkSpec] = {l.name: l for l in (
     # the reduce-scatter as it runs and replaces these.
     LinkSpec("gloo-local", 1e9, 50e-6,
              "PLACEHOLDER, not a measurement: gloo between processes on one host "
-             "(loopback TCP / shared memory), ~1 GB/s and 50 µs; replace with ah.calibrate; "
-             "an all-to-all started before compute is taken as hiding nothing (gloo's "
-             "thread shares the cores the ranks compute on)",
+             "(loopback TCP / shared memory), ~1 GB/s and 50 µs; replace with ah.calibrate "
+             "(on the 2-core reference VM it measures an all-reduce's α at 120–210 µs on 2 "
+             "ranks); "
+             "gloo runs a collective on a thread that shares the cores the ranks compute "
+             "on, so compute started after it hides only part of it: a third of an "
+             "all-reduce, all-gather or reduce-scatter (ah.calibrate's hidden_share on the "
+             "2-core reference VM, 2 ranks, three runs: 0.25–0.42, 0.26–0.48, 0.10–0.36), "
+             "none of an all-to-all",
              collectives=(("reduce_scatter", 0.5e9, 100e-6),),
-             hidden=(("all_to_all", 0.0),)),
+             hidden=(("all_gather", GLOO_LOCAL_HIDDEN), ("all_reduce", GLOO_LOCAL_HIDDEN),
+                     ("all_to_all", 0.0), ("reduce_scatter", GLOO_LOCAL_HIDDEN))),
     LinkSpec("ethernet-10g", 1.25e9, 100e-6,
              "PLACEHOLDER: 10 GbE line rate (1.25 GB/s) with a guessed 100 µs gloo/TCP "
              "per-call latency; replace with ah.calibrate",

@@ -5,7 +5,9 @@
 
 For each layout (`LAYOUTS`: dp with ZeRO 0–3, tp, tp+sp, pp 1F1B, and on 4 ranks dp × tp
 at ZeRO 2/3) and world size, one `ah.bench` run: eager on one process, the
-compiled plan pinned to the layout, and the baseline `autohybrid/baselines.py` chooses
+compiled plan pinned to the layout (what the layout leaves open, such as the gradient
+bucket size, chosen by the planner calibrated on that many ranks first, `ah.calibrate`;
+`--no-calibration`: on the placeholders), and the baseline `autohybrid/baselines.py` chooses
 for it (DDP, DDP + ZeroRedundancyOptimizer, FSDP2 with and without resharding, DTensor,
 FSDP2 + DTensor, torch.distributed.pipelining), alternating their steps with a barrier
 before each. Prints one row per run: the medians, the paired ratio (the median over
@@ -61,12 +63,13 @@ def constraints(layout: Layout, world: int) -> ah.Constraints:
     return ah.Constraints(**pinned)
 
 
-def run(model: str, layout: Layout, world: int, steps: int, warmup: int) -> dict:
+def run(model: str, layout: Layout, world: int, steps: int, warmup: int,
+        calibration=None) -> dict:
     start = time.perf_counter()
     if layout.model_args:
         model += ("&" if "?" in model else "?") + layout.model_args
     result = ah.bench(model, ah.Cluster.local(world), steps=steps, warmup=warmup,
-                      constraints=constraints(layout, world))
+                      constraints=constraints(layout, world), calibration=calibration)
     compiled, baseline = result.run("autohybrid"), result.baseline
     return {"layout": layout.name, "world": world, "baseline": baseline.name,
             "available": baseline.available, "reason": baseline.reason,
@@ -99,6 +102,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="append the table here")
+    parser.add_argument("--no-calibration", action="store_true",
+                        help="plan with the local cluster's placeholder figures instead of "
+                             "calibrating each world size first (ah.calibrate)")
     args = parser.parse_args(argv)
     known = {lay.name: lay for lay in LAYOUTS}
     unknown = [name for name in args.layouts if name not in known]
@@ -109,11 +115,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print("\n".join(lines), flush=True)
     results = []
     for world in args.worlds:
+        profile = None
+        if not args.no_calibration:
+            profile = ah.calibrate(ah.Cluster.local(world))
+            lines.append(f"calibration on {world} ranks {profile.hash()}: all-reduce "
+                         f"α {profile.all_reduce_latency_s * 1e6:.0f} µs, 1/β "
+                         f"{profile.all_reduce_bandwidth / 1e9:.2f} GB/s, hidden share "
+                         f"{profile.hidden_share.get('all_reduce', 1.0):.2f}")
+            print(lines[-1], flush=True)
         for name in args.layouts:
             layout = known[name]
             if world not in layout.worlds:
                 continue
-            r = run(args.model, layout, world, args.steps, args.warmup)
+            r = run(args.model, layout, world, args.steps, args.warmup, profile)
             results.append(r)
             lines.append(row(r))
             print(lines[-1], flush=True)

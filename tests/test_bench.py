@@ -105,14 +105,17 @@ def test_bench_dp_against_ddp_from_the_cli(tmp_path, capsys):
     """`autohybrid bench` (the CLI, in this process) at dp=2, ZeRO 0 → DDP: the JSON, the
     printed table, the plot, the HTML report with predicted beside measured, the Chrome
     trace of both timelines; the compiled run communicates (exposed communication on a
-    profiled step) and each rank holds at least the whole model (dp replicates it)."""
+    profiled step) and each rank holds at least the whole model (dp replicates it).
+    `--calibration`: the ranks plan, and the bench predicts, with the profile's figures
+    (a profile of a machine 20× slower than the placeholders: the predicted
+    communication is the calibrated plan's, not the placeholders')."""
     out, svg, html = tmp_path / "bench.json", tmp_path / "bench.svg", tmp_path / "report.html"
-    trace = tmp_path / "trace.json"
+    trace, profile = tmp_path / "trace.json", _slow_profile(tmp_path / "profile.json")
     code = cli.main(["bench", MODEL, "--cluster", "local:2", "--steps", str(STEPS),
                      "--warmup", str(WARMUP), "--constrain",
                      "dp=2,tp=1,pp=1,zero=0,num_microbatches=1", "--out", str(out),
                      "--plot", str(svg), "--report", str(html), "--trace", str(trace),
-                     "--breakdown"])
+                     "--breakdown", "--calibration", str(profile)])
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "paired: autohybrid ÷ DDP, adjacent steps, median" in printed
@@ -139,6 +142,27 @@ def test_bench_dp_against_ddp_from_the_cli(tmp_path, capsys):
     page = html.read_text()
     assert 'id="comparison"' in page and "DDP" in page
     assert page.count('data-source="measured"') == 2 and page.count('data-source="predicted"') == 2
+    pinned = dict(dp=2, tp=1, pp=1, zero=0, num_microbatches=1)
+    placeholders, calibrated = _plan(2, **pinned)[0], _plan(2, calibration=profile, **pinned)[0]
+    assert calibrated.predicted.step_time_s > 10 * placeholders.predicted.step_time_s
+    # the same gradients cross the same (calibrated) link in the ranks' plan
+    assert data["predicted"]["exposed_comm_s"] == pytest.approx(
+        calibrated.predicted.exposed_comm_s, rel=1e-9)
+    assert calibrated.predicted.exposed_comm_s > 10 * placeholders.predicted.exposed_comm_s
+
+
+def _slow_profile(path):
+    """A calibration profile of a machine 20× slower than the local placeholders."""
+    from autohybrid.calibrate import Profile
+
+    device = CPU2.device
+    Profile(machine="a slow test machine",
+            matmul_flops={"float32": device.peak_flops["float32"] / 20},
+            memory_bandwidth=device.memory_bandwidth / 20, world_size=2,
+            all_reduce_latency_s=CPU2.intra_link.latency_s * 20,
+            all_reduce_bandwidth=CPU2.intra_link.bandwidth / 20,
+            launch_overhead_s=device.launch_overhead_s * 20).to_json(path)
+    return path
 
 
 def tiny_gpt():
@@ -179,12 +203,13 @@ def test_bench_pp_against_pipelining():
 
 
 # ---------------------------------------------------------------------- no processes
-def _plan(world: int, **constraints):
+def _plan(world: int, calibration=None, **constraints):
     torch.manual_seed(0)
     model = ah.models.gpt(**TINY, tie_embeddings=constraints.pop("tied", True))
     (tokens,), _ = ah.models.example_batch(model, 8)
     plan = ah.plan(model, ah.Cluster.local(world, device_type="cpu"), example_inputs=(tokens,),
-                   constraints=ah.Constraints(**constraints), executable_only=True)
+                   constraints=ah.Constraints(**constraints), executable_only=True,
+                   calibration=calibration)
     return plan, model
 
 
@@ -365,5 +390,7 @@ def test_bad_input_is_refused_before_any_process():
     plan, _ = _plan(2, dp=2, tp=1, pp=1)
     with pytest.raises(BenchError, match="not both"):
         bench(MODEL, local, plan=plan, constraints=ah.Constraints(dp=2))
+    with pytest.raises(ah.AutohybridError, match="cannot read calibration profile"):
+        bench(MODEL, local, calibration="no-such-profile.json")
     with pytest.raises(baselines.BaselineError):
         baselines.torch_dp(4, torch.nn.Linear(2, 2), baselines.Optim(torch.optim.SGD))

@@ -144,15 +144,23 @@ def test_inspect_refuses_bad_input(pp_tp_plan, capsys, tmp_path) -> None:
 @pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_train_model_matches_eager(capsys, tmp_path) -> None:
+    """train on 2 ranks equals eager SGD; `--calibration`: the ranks plan on the cluster
+    with the profile's figures (its calibrated link in the plan's cluster)."""
+    from autohybrid.calibrate import Profile
+
     ref, steps, lr = "gpt-tiny?layers=1&seq=8", 3, 1e-2
-    saved = tmp_path / "state.pt"
+    saved, profile = tmp_path / "state.pt", tmp_path / "profile.json"
+    Profile(machine="a test machine", matmul_flops={"float32": 1e10}, memory_bandwidth=5e9,
+            world_size=2, all_reduce_latency_s=2e-4, all_reduce_bandwidth=2e9).to_json(profile)
     code, out, err = _main(capsys, "train", ref, "--cluster", "local:2", "--steps", str(steps),
                            "--optimizer", "sgd", "--lr", str(lr), "--constrain", "dp=2",
-                           "--save", str(saved), "--check", "--json")
+                           "--save", str(saved), "--check", "--json", "--calibration",
+                           str(profile))
     assert code == 0, err
     data = json.loads(out)
     assert data["ranks_agree"] and len(data["losses"]) == steps and data["checked"]
     assert data["plan"]["mesh"]["dp"] == 2
+    assert "gloo-local-calibrated 2 GB/s, 200 µs" in data["plan"]["cluster"]
     # the same model, batches and optimizer in eager PyTorch
     work, eager = _eager_sgd(ref, steps, lr)
     assert data["losses"] == pytest.approx(eager, rel=1e-5, abs=1e-6)
@@ -214,6 +222,12 @@ def test_train_refuses_checkpoint_flags_that_cannot_work(capsys, tmp_path) -> No
                             "run the check without --resume")):
         code, _, err = _main(capsys, "train", ref, *flags)
         assert code == 2 and message in err, (flags, err)
+    code, _, err = _main(capsys, "train", ref, "--calibration", str(tmp_path / "none.json"))
+    assert code == 2 and "cannot read calibration profile" in err, err
+    script = tmp_path / "job.py"
+    script.write_text("print('not run')\n")
+    code, _, err = _main(capsys, "train", str(script), "--calibration", "profile.json")
+    assert code == 2 and "a script plans itself" in err and "Profile.from_json" in err, err
 
 
 @pytest.mark.procs

@@ -743,8 +743,10 @@ def _ranks_memory_and_sync(cluster, layout: Layout, stages: Split, held: Held, d
 
     With `overlap`, the sync of a rank's gradients overlaps its backward in buckets: all
     but the last bucket hide behind the backward of the layers after them, as far as the
-    link hides a collective started before compute (`comm.hidden_share`: all of it
-    uncalibrated, about a sixth on a 2-core CPU); without, all of it is exposed. Each bucket is its own collective and pays its latency."""
+    link hides a collective started before compute (`comm.hidden_share`: all of it on
+    an accelerator's link uncalibrated, a third on the local gloo placeholder, what
+    `ah.calibrate` measured on a calibrated one); without, all of it is exposed. Each
+    bucket is its own collective and pays its latency."""
     worst, syncs = None, []
     width = dtype_bytes(grad_reduce_dtype) if grad_reduce_dtype else max(4, dtype_bytes(dtype))
     for rank in held.distinct:
