@@ -5,7 +5,8 @@ the loss) compiled for 2 and 4 gloo ranks, each plan trained beside an eager cop
 same global batches: losses, gathered gradients and parameters after every step
 (tests/_equiv.py), under SGD and AdamW. Plans: ep=2 (with microbatches), ep=4, ep=2 × dp
 (experts replicated on two ranks each, their gradients summed over those), ep × tp (with
-and without sequence parallelism), ep × pp, ep with ZeRO-1 and ZeRO-2 (expert slices
+and without sequence parallelism), tp without sequence parallelism and ep (each tp rank a
+slice of every expert's intermediate size, checked), ep × pp, ep with ZeRO-1 and ZeRO-2 (expert slices
 sharded over the ranks holding the same experts), ep with the tokens in chunks (each
 chunk's all-to-all beside the previous one's experts); and, for reference, dp, tp and pp
 without ep. Every ep plan is checked to hold E/ep experts per rank (its expert weights are
@@ -62,8 +63,15 @@ def _rank(rank: int, world: int, cases: list[tuple]) -> Failures:
                                         optimizer=OPTIMIZERS[optimizer],
                                         constraints=ah.Constraints(**pinned),
                                         max_grad_norm=clip)
-        ep = pinned.get("ep", 1)
-        fails.check(f"{name}: mesh {compiled.plan.mesh}", compiled.plan.mesh.ep == ep)
+        ep, mesh = pinned.get("ep", 1), compiled.plan.mesh
+        fails.check(f"{name}: mesh {mesh}", mesh.ep == ep)
+        if mesh.tp > 1 and not mesh.sp and ep == 1:   # expert tensor parallelism
+            sliced = _expert_slices(compiled, "tp")
+            inter = model.blocks[0].mlp.experts.down_proj.shape[-1]
+            fails.check(f"{name}: experts' tp slices {[tuple(p.shape) for p in sliced.values()]}",
+                        len(sliced) == 4 and all(
+                            p.shape[1 if "gate_up" in n else 2] == (2 if "gate_up" in n else 1)
+                            * inter // mesh.tp for n, p in sliced.items()))
         if "moe_chunks" in pinned:
             fails.check(f"{name}: {compiled.plan.moe_chunks} chunks",
                         compiled.plan.moe_chunks == pinned["moe_chunks"])
@@ -75,6 +83,14 @@ def _rank(rank: int, world: int, cases: list[tuple]) -> Failures:
                         len(local) == 2 * moe_layers and all(p.shape[0] == EXPERTS // ep
                                                              for p in local.values()))
     return fails
+
+
+def _expert_slices(compiled, axis: str) -> dict:
+    """The expert weights this rank holds as slices over `axis` ("ep": some experts;
+    "tp": every expert's share of the intermediate size)."""
+    return {n: p for n, p in compiled.sharded.local.items()
+            if "expert" in n and compiled.sharded.specs[n].axis == axis} \
+        if compiled.sharded is not None else {}
 
 
 def _run(world: int, cases: list[tuple]) -> None:
@@ -92,6 +108,10 @@ def test_two_ranks():
              (dict(dp=2, ep=2), "adamw", None, dict(layers=3, dense_layers=1,
                                                     score="sigmoid", routed_scale=2.5)),
              (dict(dp=2), "sgd"), (dict(tp=2), "sgd"), (dict(pp=2, num_microbatches=2), "sgd"),
+             # expert tensor parallelism: tp's ranks share the tokens, each computes its
+             # slice of every expert (full recomputation runs the op's all-reduce again)
+             (dict(tp=2, sp=False), "sgd"), (dict(tp=2, sp=False), "adamw"),
+             (dict(tp=2, sp=False, recompute="full"), "adamw"),
              # capacity per sequence: the routes past it drop alike however the batch splits
              (dict(dp=2, ep=2, num_microbatches=2), "adamw", None, CAPACITY),
              # checkpointed blocks: the op's saved rows dropped and recomputed
@@ -109,7 +129,9 @@ def test_four_ranks():
              (dict(dp=4, ep=2, zero=1), "sgd", 0.05),
              (dict(dp=4, ep=4), "sgd", None, CAPACITY),
              (dict(pp=2, dp=2, ep=2, num_microbatches=2), "sgd", None, CAPACITY),
-             (dict(dp=2, ep=2, tp=2), "sgd", None, CAPACITY)])
+             (dict(dp=2, ep=2, tp=2), "sgd", None, CAPACITY),
+             (dict(dp=2, tp=2, sp=False, ep=1, zero=1), "adamw"),
+             (dict(tp=4, sp=False), "sgd", None, CAPACITY)])
 
 
 def _checkpoint_rank(rank: int, directory: str) -> list[str]:
@@ -163,9 +185,10 @@ def _hf_rank(rank: int, world: int, cases: list[tuple[str, dict, str]]) -> Failu
                               optimizer=OPTIMIZERS[optimizer],
                               constraints=ah.Constraints(**pinned))
         what = f"{name} {pinned} {optimizer}"
-        fails.check(f"{what}: experts not split ({compiled.plan.mesh})",
-                    compiled.plan.mesh.ep == pinned["ep"] and any(
-                        s.axis == "ep" for s in compiled.sharded.specs.values()))
+        axis = "ep" if pinned.get("ep", 1) > 1 else "tp"
+        fails.check(f"{what}: experts not split over {axis} ({compiled.plan.mesh})",
+                    compiled.plan.mesh.ep == pinned.get("ep", 1)
+                    and bool(_expert_slices(compiled, axis)))
         compare_training(fails, what, compiled, ref, OPTIMIZERS[optimizer](
             list(ref.parameters())), case.batches[:2], case.eager_loss)
     return fails
@@ -178,7 +201,7 @@ def _hf_rank(rank: int, world: int, cases: list[tuple[str, dict, str]]) -> Failu
 @pytest.mark.parametrize("world, cases", [
     (2, [("mixtral", dict(dp=2, ep=2), "sgd"), ("qwen2_moe", dict(dp=2, ep=2, zero=1), "sgd")]),
     (4, [("mixtral", dict(dp=4, ep=4), "sgd"), ("qwen2_moe", dict(dp=2, ep=2, tp=2), "sgd"),
-         ("qwen2_moe", dict(dp=4, ep=2), "sgd"),
+         ("qwen2_moe", dict(dp=4, ep=2), "sgd"), ("mixtral", dict(dp=2, tp=2, sp=False, ep=1), "sgd"),
          ("mixtral", dict(pp=2, dp=2, ep=2, num_microbatches=2), "sgd")]),
 ], ids=["2-ranks", "4-ranks"])
 def test_hugging_face_moe_under_expert_parallelism(world, cases):

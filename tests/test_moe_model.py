@@ -149,8 +149,11 @@ def test_experts_the_op_cannot_compute_are_left_as_they_are():
         assert model.config._experts_implementation == "batched_mm"
 
 
-def _ep_context(cap, dp: int, ep: int, zero: int = 0, rank: int = 1) -> PassContext:
-    plan = dataclasses.replace(_plan(dp, 1), mesh=Mesh(dp=dp, ep=ep), zero=zero)
+def _ep_context(cap, dp: int, ep: int, zero: int = 0, rank: int = 1, tp: int = 1,
+                sp: bool = False) -> PassContext:
+    plan = dataclasses.replace(_plan(dp, 1), mesh=Mesh(dp=dp, tp=tp, sp=sp, ep=ep), zero=zero,
+                               placement=tuple(RankPlacement(rank=r, node=0, device=r)
+                                               for r in range(dp * tp)))
     ctx = PassContext(plan=plan, rank=rank, coords=plan.mesh.coords(rank), graph_kind="train")
     ctx.notes["loss_output_index"] = cap.user_outputs[0]
     return ctx
@@ -173,6 +176,83 @@ def test_expert_parallel_pass_slices_the_experts_and_names_the_axis():
     for n in nodes:
         assert n.args[3].meta["val"].shape == (2, 48, 32)   # 2 of 4 experts, 2·24 rows
         assert n.args[4].meta["val"].shape == (2, 32, 24)
+
+
+def test_tensor_parallelism_slices_every_expert_where_its_ranks_share_the_tokens():
+    """tp=2 without sp: tp rank 1 holds the second half of every expert's gate rows, of
+    its up rows and of its down columns, and the op all-reduces over tp. Under sp (each
+    tp rank its own tokens) or a tp not dividing the intermediate size (24): whole."""
+    from autohybrid.passes.expert_parallel import expert_parallel
+    model = _tiny()
+    (ids,), targets = ah.models.example_batch("moe-tiny", 4)
+    cap = capture(model, (ids,), moe_loss, targets)
+    ctx = _ep_context(cap, dp=1, ep=1, rank=1, tp=2)
+    gm = expert_parallel(copy.deepcopy(cap.gm), ctx)
+    nodes = _op_nodes(gm)
+    assert [(n.args[7], n.args[8], n.args[9]) for n in nodes] == [("", 1, "tp")] * 2
+    specs = ctx.notes["param_shards"]
+    assert {(k.rsplit(".", 1)[1], s.axis, s.dim, s.chunks, s.ways, s.index, s.size)
+            for k, s in specs.items()} == {("gate_up_proj", "tp", 1, 2, 2, 1, 48),
+                                           ("down_proj", "tp", 2, 1, 2, 1, 24)}
+    full = dict(model.named_parameters())["blocks.0.mlp.experts.gate_up_proj"]
+    local = specs["blocks.0.mlp.experts.gate_up_proj"].local(full.detach())
+    assert torch.equal(local, torch.cat([full[:, 12:24], full[:, 36:48]], 1))
+    for n in nodes:
+        assert n.args[3].meta["val"].shape == (4, 24, 32)
+        assert n.args[4].meta["val"].shape == (4, 32, 12)
+    for whole in (_ep_context(cap, dp=1, ep=1, tp=2, sp=True),
+                  _ep_context(cap, dp=1, ep=1, tp=5)):
+        gm = expert_parallel(copy.deepcopy(cap.gm), whole)
+        assert "param_shards" not in whole.notes
+        assert all(n.args[3].meta["val"].shape == (4, 48, 32) for n in _op_nodes(gm))
+    # an expert weight another op reads too: refused with the reason and what to pin
+    gm = copy.deepcopy(cap.gm)
+    weight = _op_nodes(gm)[0].args[3]
+    with gm.graph.inserting_after(weight):
+        gm.graph.call_function(torch.ops.aten.sum.default, (weight,))
+    with pytest.raises(ah.PlanError, match=r"tensor parallelism of the experts \(tp=2\): the "
+                                           r"gate_up weights .* also read by .*pin sp=True"):
+        expert_parallel(gm, _ep_context(cap, dp=1, ep=1, tp=2))
+
+
+def test_expert_slices_are_what_the_planner_counts():
+    """A dry run of rank 1's program under ep=2 and under tp=2 without sp (the experts
+    split): every parameter's shape is its ShardSpec's and the elements are the
+    planner's count. (Its collectives check does not know the MoE op's own exchanges:
+    not compared here.)"""
+    from autohybrid.runtime.dry_run import dry_run
+    model = ah.models.preset("moe-tiny", device="meta")
+    (ids,), targets = ah.models.example_batch("moe-tiny", 4, device="meta")
+    for pinned in (dict(dp=2, ep=2, tp=1, pp=1), dict(dp=1, tp=2, sp=False, pp=1)):
+        report = dry_run(model, ah.Cluster.local(2), (ids,), moe_loss, (targets,), rank=1,
+                         constraints=ah.Constraints(**pinned))
+        assert report.bytes_match and not report.shape_mismatches, report.summary()
+
+
+def test_expert_tensor_parallelism_is_priced_as_it_runs(monkeypatch):
+    """tp=2 without sp (2 local ranks), against the same plan priced as if tp left the
+    experts whole: half the experts' parameters per rank, less compute, and the op's
+    all-reduces."""
+    from autohybrid.search import space
+    model = ah.models.preset("moe-tiny", device="meta", layers=2, hidden=64, heads=4,
+                             experts=8, expert_hidden=256)
+    (ids,), targets = ah.models.example_batch("moe-tiny", 16, device="meta")
+
+    def plan():
+        return ah.plan(model, ah.Cluster.local(2, device_type="cpu"), (ids,),
+                       loss_fn=moe_loss, example_targets=targets,
+                       constraints=ah.Constraints(dp=1, tp=2, sp=False, pp=1, ep=1))
+
+    chosen = plan()
+    split = chosen.predicted
+    monkeypatch.setattr(space, "tensor_parallel_experts", lambda *a: False)
+    whole = plan().predicted
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    width = torch.empty(0, dtype=getattr(torch, chosen.dtype)).element_size()
+    assert whole.memory.params - split.memory.params == pytest.approx(
+        experts / 2 * width, rel=1e-6)     # half the experts' elements per rank
+    assert split.compute_s < whole.compute_s
+    assert split.comm_s > whole.comm_s
 
 
 @pytest.mark.parametrize("dp, ep, zero, why", [

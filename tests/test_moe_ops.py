@@ -9,6 +9,9 @@ experts, and must give the rows and token gradients of its shard and the whole b
 gradients of its experts, as the reference on the whole batch does — with routes spread,
 all sent to one rank's experts (the others receive nothing) and uneven per expert, in one
 chunk and in several (the dispatch of one chunk overlapping the experts of the last).
+Expert tensor parallelism (2 and 4 ranks): every rank holds the same tokens and a slice of
+each expert's intermediate size, and must give the whole output, token and router-weight
+gradients, and its slice's share of the weight gradients.
 """
 from __future__ import annotations
 
@@ -43,7 +46,8 @@ def _reference(x, idx, w, gate_up, down, act: str):
     return torch.stack(rows)
 
 
-def _inputs(tokens: int, experts: int, k: int, routes: str, seed: int = 0):
+def _inputs(tokens: int, experts: int, k: int, routes: str, seed: int = 0,
+            inter: int = INTER):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, H, dtype=D, generator=gen)
     if routes == "spread":
@@ -54,8 +58,8 @@ def _inputs(tokens: int, experts: int, k: int, routes: str, seed: int = 0):
         idx = torch.full((tokens, k), experts - 1, dtype=torch.long)
         idx[::3, 0] = torch.randint(0, experts, (len(range(0, tokens, 3)),), generator=gen)
     w = torch.rand(tokens, k, dtype=D, generator=gen)
-    gate_up = torch.randn(experts, 2 * INTER, H, dtype=D, generator=gen)
-    down = torch.randn(experts, H, INTER, dtype=D, generator=gen)
+    gate_up = torch.randn(experts, 2 * inter, H, dtype=D, generator=gen)
+    down = torch.randn(experts, H, inter, dtype=D, generator=gen)
     return x, idx, w, gate_up, down
 
 
@@ -196,6 +200,63 @@ def test_expert_parallel_equals_the_whole_batch(world, experts):
         results = pool_launch(_ep_rank, world, args=(world, experts, routes, chunks),
                               timeout_s=LAUNCH_TIMEOUT_S)
         assert results == [f"ok:{r}" for r in range(world)]
+
+
+# ------------------------------------------------------------------ expert tensor parallelism
+
+def _tp_rank(rank: int, world: int, routes: str) -> str:
+    """Every rank: the same tokens and routes, slice `rank` of each expert's intermediate
+    size (gate rows, up rows, down columns)."""
+    groups.bind("tp", dist.group.WORLD)
+    try:
+        inter, experts = 4 * world, 4
+        x, idx, w, gate_up, down = _inputs(9, experts, 2, routes, seed=3, inter=inter)
+        idx[2, 0] = experts                         # a sentinel route
+        gy = torch.randn(9, H, dtype=D, generator=torch.Generator().manual_seed(7))
+        full = _leaves(x, w, gate_up, down)
+        ref = _reference(full[0], idx, full[1], full[2], full[3], "gelu")
+        ref_grads = torch.autograd.grad(ref, full, gy)
+        width = inter // world
+        cols = slice(rank * width, (rank + 1) * width)
+        rows = torch.cat([torch.arange(inter)[cols], inter + torch.arange(inter)[cols]])
+        part = _leaves(x, w, gate_up[:, rows], down[:, :, cols])
+        out = moe_experts(part[0], idx, part[1], part[2], part[3], experts, "gelu", "", 1,
+                          "tp")
+        _close("output", out, ref)
+        grads = torch.autograd.grad(out, part, gy)
+        _close("grad x", grads[0], ref_grads[0])
+        _close("grad weights", grads[1], ref_grads[1])
+        _close("grad gate_up", grads[2], ref_grads[2][:, rows])
+        _close("grad down", grads[3], ref_grads[3][:, :, cols])
+    finally:
+        groups.clear()
+    return f"ok:{rank}"
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_experts_equal_the_whole_experts(world):
+    """Expert tensor parallelism: each rank's slice of every expert, the output and the
+    token and router-weight gradients summed over the ranks: the whole experts' values."""
+    for routes in ("spread", "one"):
+        results = pool_launch(_tp_rank, world, args=(world, routes),
+                              timeout_s=LAUNCH_TIMEOUT_S)
+        assert results == [f"ok:{r}" for r in range(world)]
+
+
+def test_tensor_parallel_experts_is_decided_in_one_place():
+    """tp splits the experts where its ranks share the tokens (no sp) and no ep splits
+    them already, and tp divides every layer's intermediate size."""
+    assert moe.tensor_parallel_experts(2, False, 1, [8, 16])
+    assert not moe.tensor_parallel_experts(1, False, 1, [8])
+    assert not moe.tensor_parallel_experts(2, True, 1, [8])       # sp: own tokens per rank
+    assert not moe.tensor_parallel_experts(2, False, 2, [8])      # ep: slices stay whole
+    assert not moe.tensor_parallel_experts(4, False, 1, [8, 6])   # 4 does not divide 6
+    with pytest.raises(RuntimeFailure, match="intermediate size"):
+        moe_experts(torch.randn(3, H), torch.zeros(3, 1, dtype=torch.long),
+                    torch.ones(3, 1), torch.randn(2, 6, H), torch.randn(2, H, 4), 2,
+                    "silu", "", 1, "tp")
 
 
 def test_chunks_split_the_tokens_evenly():

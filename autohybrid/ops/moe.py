@@ -1,8 +1,8 @@
 """A mixture-of-experts layer's experts as one op: dispatch, expert MLPs, combine.
 
 `moe_experts(x, top_k_index, top_k_weights, gate_up, down, num_experts, act, axis,
-chunks=1)` is what Hugging Face's `*Experts` modules compute (their 3-D weight layout, with
-`gate_up[e]` of shape (2I, H), gate rows first, and `down[e]` of (H, I)):
+chunks=1, tp_axis="")` is what Hugging Face's `*Experts` modules compute (their 3-D weight
+layout, with `gate_up[e]` of shape (2I, H), gate rows first, and `down[e]` of (H, I)):
 
     out[t] = Σ_j  top_k_weights[t, j] · down[e] · (act(gate[e]·x[t]) ⊙ up[e]·x[t]),
              e = top_k_index[t, j]
@@ -28,6 +28,15 @@ combine while chunk i+1's compute — forward and, for the gradients, backward. 
 of the axis runs the same number of chunks (some may be empty); the counts of every chunk
 travel in one all-to-all first.
 
+Expert tensor parallelism (`tp_axis` names a mesh axis; "" = none): every rank of it has
+the same tokens and routes and holds the same slice j of every expert's intermediate
+size — rows [j·I/tp, (j+1)·I/tp) of the gate and of the up projection (`gate_up` is
+(E, 2I/tp, H), its gate rows first) and those columns of `down` (E, H, I/tp). Each rank
+computes its slice's share of every expert output, and one all-reduce over the axis sums
+the combined tokens (Megatron's row-parallel second linear). Backward: the output's
+gradient is the same on every rank; the slices' weight gradients are this rank's own, and
+the gradients of `x` and of the router weights (sums over the slices) are all-reduced.
+
 Backward reuses what forward computed (the received rows, the gate/up projections, the
 expert outputs) when forward ran eagerly with autograd recording: the op's forward
 leaves them for the `setup_context` that autograd calls right after it, tied to the
@@ -39,6 +48,7 @@ Example::
 
     out = moe_experts(x, idx, w, gate_up, down, 8, "silu", "")     # (T, H)
     out = moe_experts(x, idx, w, gate_up[:2], down[:2], 8, "silu", "ep", 4)  # ep=4, 4 chunks
+    out = moe_experts(x, idx, w, gate_up_slice, down_slice, 8, "silu", "", 1, "tp")  # tp
 """
 from __future__ import annotations
 
@@ -55,6 +65,15 @@ from .partition import balanced_bounds
 
 #: activations of the gate projection, as Hugging Face names them (ACT2FN)
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+
+
+def tensor_parallel_experts(tp: int, sp: bool, ep: int, inter_sizes) -> bool:
+    """Whether tensor parallelism splits the MoE layers' experts (`tp_axis`): tp > 1
+    without sequence parallelism (whose tp ranks hold different tokens: the experts stay
+    whole there, each rank computing its own tokens) or expert parallelism (its ep ranks'
+    expert slices stay whole over tp), and tp dividing every layer's intermediate size
+    (`inter_sizes`). The expert_parallel pass and the planner's pricing both ask this."""
+    return tp > 1 and not sp and ep == 1 and all(int(i) % tp == 0 for i in inter_sizes)
 
 
 def _act(g: torch.Tensor, act: str) -> torch.Tensor:
@@ -208,7 +227,7 @@ def _forward(x, top_k_index, top_k_weights, gate_up, down, num_experts, act, axi
 
 
 def _check(x, top_k_index, top_k_weights, gate_up, down, num_experts, act, axis,
-           chunks) -> None:
+           chunks, tp_axis="") -> None:
     if chunks < 1:
         raise RuntimeFailure(f"autohybrid::moe_experts: chunks must be ≥ 1, got {chunks}")
     if act not in ACTIVATIONS:
@@ -220,6 +239,12 @@ def _check(x, top_k_index, top_k_weights, gate_up, down, num_experts, act, axis,
             f"autohybrid::moe_experts: {num_experts} experts over {ep} rank(s) of axis "
             f"{axis or '(none)'!r} need {num_experts // max(ep, 1)} local experts; got "
             f"gate_up {tuple(gate_up.shape)}, down {tuple(down.shape)}")
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] != 2 * down.shape[2]:
+        raise RuntimeFailure(
+            f"autohybrid::moe_experts: gate_up (E, 2I, H) and down (E, H, I) must share "
+            f"the intermediate size I (this rank's slice of it under axis "
+            f"{tp_axis or '(none)'!r}); got gate_up {tuple(gate_up.shape)}, down "
+            f"{tuple(down.shape)}")
     if top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != x.shape[0]:
         raise RuntimeFailure(
             f"autohybrid::moe_experts: routes {tuple(top_k_index.shape)} and weights "
@@ -233,11 +258,14 @@ _LEFT = threading.local()
 @torch.library.custom_op("autohybrid::moe_experts", mutates_args=())
 def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 gate_up: torch.Tensor, down: torch.Tensor, num_experts: int, act: str,
-                axis: str, chunks: int = 1) -> torch.Tensor:
+                axis: str, chunks: int = 1, tp_axis: str = "") -> torch.Tensor:
     """The routed experts' weighted sum per token (module docstring)."""
-    _check(x, top_k_index, top_k_weights, gate_up, down, num_experts, act, axis, chunks)
+    _check(x, top_k_index, top_k_weights, gate_up, down, num_experts, act, axis, chunks,
+           tp_axis)
     out, routings = _forward(x, top_k_index, top_k_weights, gate_up, down, num_experts, act,
                              axis, chunks)
+    if tp_axis:   # each rank's share of the intermediate size: the sum over the slices
+        groups.all_reduce(out, tp_axis)
     _LEFT.value = None
     # (torch runs a custom op's forward with grad mode off, recording or not: whether
     # setup_context follows shows only there; when it does not, the rows go with `out`)
@@ -255,7 +283,8 @@ def _forget(ref: weakref.ref) -> None:
 
 
 @moe_experts.register_fake
-def _(x, top_k_index, top_k_weights, gate_up, down, num_experts, act, axis, chunks=1):
+def _(x, top_k_index, top_k_weights, gate_up, down, num_experts, act, axis, chunks=1,
+      tp_axis=""):
     return x.new_empty(x.shape)
 
 
@@ -268,11 +297,12 @@ def _setup(ctx, inputs, output) -> None:
     `save_for_backward`, so activation checkpointing frees them with the rest and its
     recomputation (which runs this op again) restores them; the routing's counts stay on
     ctx."""
-    x, top_k_index, top_k_weights, gate_up, down, num_experts, act, axis, chunks = inputs
+    x, top_k_index, top_k_weights, gate_up, down, num_experts, act, axis, chunks, tp_axis = \
+        inputs
     left, _LEFT.value = getattr(_LEFT, "value", None), None
     routings = left[1] if left is not None and left[0]() is output else None
     ctx.counts = [(r.send, r.recv, r.counts) for r in routings] if routings else None
-    ctx.args = (num_experts, act, axis, chunks)
+    ctx.args = (num_experts, act, axis, chunks, tp_axis)
     rows = [getattr(r, name) for r in routings or () for name in _SAVED]
     ctx.save_for_backward(x, top_k_index, top_k_weights, gate_up, down, *rows)
 
@@ -291,7 +321,7 @@ def _saved_routings(ctx, rows: tuple) -> list[Routing] | None:
 
 def _backward(ctx, grad):
     x, top_k_index, top_k_weights, gate_up, down, *rows = ctx.saved_tensors
-    num_experts, act, axis, chunks = ctx.args
+    num_experts, act, axis, chunks, tp_axis = ctx.args
     routings = _saved_routings(ctx, tuple(rows))
     if routings is None:
         with torch.no_grad():
@@ -299,7 +329,10 @@ def _backward(ctx, grad):
                                    act, axis, chunks)
     gx, gw, ggu, gd = experts_backward(grad, x, top_k_weights, gate_up, down, act, axis,
                                        routings)
-    return gx, None, gw, ggu, gd, None, None, None, None
+    if tp_axis:   # sums over the intermediate slices of every rank of the axis
+        groups.all_reduce(gx, tp_axis)
+        groups.all_reduce(gw, tp_axis)
+    return gx, None, gw, ggu, gd, None, None, None, None, None
 
 
 def experts_backward(grad: torch.Tensor, x: torch.Tensor, top_k_weights: torch.Tensor,

@@ -49,8 +49,9 @@ PASSES: tuple[PassRow, ...] = (
             "the BatchNorms on tiles)", after=("global_loss", "spatial_parallel")),
     PassRow("expert_parallel", expert_parallel,
             "splits each MoE layer's experts over ep (dp ranks) and dispatches their tokens "
-            "by all-to-all; before tensor_parallel, which then treats the expert slices as "
-            "the replicated weights they are over tp", after=("global_loss",)),
+            "by all-to-all, or (tp without sp or ep) every expert's intermediate size over "
+            "tp; before tensor_parallel, which then treats whole expert slices as the "
+            "replicated weights they are over tp", after=("global_loss",)),
     PassRow("tensor_parallel", tensor_parallel,
             "splits the graph over tp; it sees the loss already a sum, so the "
             "vocabulary-parallel loss keeps it one", after=("global_loss", "expert_parallel")),

@@ -19,6 +19,15 @@ and ZeRO-3 (passes/zero.py gathers every parameter over dp).
 Runs before tensor_parallel: the expert slices are replicated over tp, and tp's rules for
 replicated parameters (sequence parallelism sums their gradients over tp) then apply to
 the slices as to any replicated weight.
+
+Expert tensor parallelism: with tp > 1, ep = 1 and no sequence parallelism (the tp ranks
+then hold the same tokens; `ops.moe.tensor_parallel_experts` decides, for the pricing
+too), each tp rank holds slice j of every expert's intermediate size — the same rows of
+the gate and the up projections (`ShardSpec(dim=1, chunks=2, axis="tp")`) and those
+columns of `down` (dim 2) — and the op gets `tp_axis="tp"`: it all-reduces its output,
+and in backward the gradients of its tokens and router weights, over tp. Without it each
+tp rank would compute every expert whole, the same work tp times. Refused as for ep
+(naming the node) where the weights are not parameters the op alone reads.
 """
 from __future__ import annotations
 
@@ -27,11 +36,12 @@ import torch.fx as fx
 
 from ..errors import PlanError
 from ..graph import AH_PARAM, AH_ROLE, VAL, fake_mode, module_path, schema_args
-from ..ops import moe as moe_ops  # noqa: F401  (registers autohybrid::moe_experts)
+from ..ops.moe import tensor_parallel_experts  # (and registers autohybrid::moe_experts)
 from ..program import ShardSpec
 from .manager import PassContext
 
 AXIS = "ep"
+TP_AXIS = "tp"
 #: the op's arguments before `axis` and `chunks`, in its schema's order
 _ARGS = ("x", "top_k_index", "top_k_weights", "gate_up", "down", "num_experts", "act")
 MOE_EXPERTS = torch.ops.autohybrid.moe_experts.default
@@ -44,14 +54,15 @@ def moe_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 
 def expert_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     mesh = ctx.plan.mesh
-    if mesh.ep == 1:
-        return gm
     nodes = moe_nodes(gm)
-    if not nodes:
+    if mesh.ep > 1 and not nodes:
         raise PlanError(f"mesh.ep={mesh.ep}: the graph has no MoE layer "
                         "(autohybrid::moe_experts) whose experts expert parallelism could "
                         "split; pin ep=1")
-    if ctx.plan.zero == 3:
+    tp_split = tensor_parallel_experts(mesh.tp, mesh.sp, mesh.ep, inter_sizes(nodes))
+    if mesh.ep == 1 and not (tp_split and nodes):
+        return gm
+    if mesh.ep > 1 and ctx.plan.zero == 3:
         raise PlanError(f"mesh.ep={mesh.ep} with ZeRO-3: its per-layer gathers of the expert "
                         "slices would run over the ranks holding the same experts, which "
                         "passes/zero.py does not do; pin zero ≤ 2 with expert parallelism")
@@ -62,6 +73,9 @@ def expert_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         kw = schema_args(node)
         experts = int(kw["num_experts"])
         where = f"MoE layer {module_path(node) or node.name!r} (node {node.name!r})"
+        what = (f"expert parallelism (ep={ep})" if ep > 1 else
+                f"tensor parallelism of the experts (tp={mesh.tp})")
+        pin = "pin ep=1" if ep > 1 else "pin sp=True (each tp rank's own tokens) or tp=1"
         if experts % ep:
             raise PlanError(f"expert parallelism: {where} has {experts} experts, which do "
                             f"not split over ep={ep} ranks; choose an ep dividing {experts}")
@@ -69,21 +83,38 @@ def expert_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             weight = kw[name]
             if not (isinstance(weight, fx.Node) and weight.op == "placeholder"
                     and weight.meta.get(AH_ROLE) == "param"):
-                raise PlanError(f"expert parallelism: the {name} weights of {where} are not "
-                                "a parameter the op reads directly; pin ep=1")
+                raise PlanError(f"{what}: the {name} weights of {where} are not a parameter "
+                                f"the op reads directly; {pin}")
             users = [u for u in weight.users if u is not node]
             if users:
-                raise PlanError(f"expert parallelism: the {name} weights of {where} are also "
-                                f"read by {users[0].name!r}; pin ep=1")
+                raise PlanError(f"{what}: the {name} weights of {where} are also read by "
+                                f"{users[0].name!r}; {pin}")
             key = weight.meta.get(AH_PARAM, weight.name)
-            spec = ShardSpec(0, experts, experts, 1, ep, index, axis=AXIS)
+            full = weight.meta[VAL]
+            spec = (ShardSpec(0, experts, experts, 1, ep, index, axis=AXIS) if ep > 1
+                    else _tp_spec(name, full.shape, mesh.tp, ctx.coords[2]))
             if specs.setdefault(key, spec) is spec:
-                full = weight.meta[VAL]
+                shape = list(full.shape)
+                shape[spec.dim] = spec.shard_size
                 with mode:
-                    weight.meta[VAL] = torch.empty((experts // ep, *full.shape[1:]),
-                                                   dtype=full.dtype, device=full.device)
-        node.args = (*(kw[name] for name in _ARGS), AXIS, ctx.plan.moe_chunks)
+                    weight.meta[VAL] = torch.empty(shape, dtype=full.dtype, device=full.device)
+        node.args = (*(kw[name] for name in _ARGS), AXIS if ep > 1 else "",
+                     ctx.plan.moe_chunks if ep > 1 else 1, TP_AXIS if ep == 1 else "")
         node.kwargs = {}
     ctx.notes["param_shards"] = {**ctx.notes.get("param_shards", {}), **specs}
     gm.recompile()
     return gm
+
+
+def inter_sizes(nodes: list[fx.Node]) -> list[int]:
+    """Each MoE layer's intermediate size (its `down` weights' last dimension)."""
+    return [int(schema_args(n)["down"].meta[VAL].shape[-1]) for n in nodes]
+
+
+def _tp_spec(name: str, shape, tp: int, index: int) -> ShardSpec:
+    """This tp rank's slice of every expert's intermediate size: the same rows of the gate
+    and of the up projection (`gate_up` (E, 2I, H): two blocks along dim 1), the same
+    columns of `down` (E, H, I)."""
+    if name == "gate_up":
+        return ShardSpec(1, shape[1], shape[1], 2, tp, index, axis=TP_AXIS)
+    return ShardSpec(2, shape[2], shape[2], 1, tp, index, axis=TP_AXIS)

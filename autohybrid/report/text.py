@@ -72,8 +72,12 @@ def experts_text(plan: Plan) -> str:
                 f"experts; what stays exposed is priced); expert gradients are summed over the "
                 f"{plan.mesh.dp // ep} rank(s) holding the same experts")
     else:
-        what = ("whole on every rank (ep = 1): each rank computes every expert for its own "
+        what = ("not split over ep (ep = 1): each rank computes every expert for its own "
                 "tokens, no all-to-all")
+        if plan.mesh.tp > 1 and not plan.mesh.sp:
+            what += (f"; the {plan.mesh.tp} tp ranks share their tokens, and each computes its "
+                     f"slice of every expert's intermediate size where tp divides it "
+                     f"(expert tensor parallelism)")
     other = next((a for a in plan.alternatives if a.constraints is not None
                   and ((a.constraints.ep or 1) > 1) != (ep > 1)), None)
     if other is None:

@@ -10,11 +10,11 @@ keeps the program of its own plan's trial. It then checks that program against t
 
 - per-rank parameter bytes: Σ over the rewritten graph's parameter placeholders (tied
   parameters once) of their elements × the plan dtype's bytes, against the planner's
-  prediction before ZeRO sharding, `ModelProfile.local_params(layers, tp) × dtype bytes`
-  (search/pricing.py; the Plan's `predicted.memory.params` is that divided by dp under
-  ZeRO-3, which is checked too). Element counts are compared, so a model captured in
-  float32 still checks a bfloat16 plan; built in the plan dtype the graph's own bytes
-  (`graph_param_bytes`) agree as well;
+  prediction before ZeRO sharding, `ModelProfile.local_params(layers, tp, ep, ...)` ×
+  dtype bytes (search/pricing.py; the Plan's `predicted.memory.params` is that divided by
+  dp under ZeRO-3, which is checked too). Element counts are compared, so a model
+  captured in float32 still checks a bfloat16 plan; built in the plan dtype the graph's
+  own bytes (`graph_param_bytes`) agree as well;
 - every parameter placeholder's fake shape against its ShardSpec (whole when not split);
 - the collectives the passes inserted (autohybrid ops, counted by name) against the
   planner's tp layout: a `tp_copy` per distinct input of a column-parallel linear (the
@@ -95,7 +95,7 @@ class DryRunReport:
     param_elements: int                # this rank's parameter elements (tied once)
     param_bytes: int                   # param_elements × plan dtype bytes
     graph_param_bytes: int             # at the dtype the graph was captured in
-    predicted_param_elements: float    # planner: local_params(all layers, tp)
+    predicted_param_elements: float    # planner: local_params(all layers, tp, ep)
     predicted_param_bytes: int         # before ZeRO sharding
     predicted_memory_params: int       # plan.predicted.memory.params (ZeRO-3 divides it)
     expected_memory_params: int        # training_state(param_elements, ...).params
@@ -242,7 +242,9 @@ def _check(train: CapturedGraph, program: RankProgram, profile: ModelProfile, no
     graph_bytes = sum(math.prod(local[k]) * local_nodes[k].meta[VAL].element_size()
                       for k in local)
     width = dtype_bytes(plan.dtype)
-    predicted = profile.local_params(profile.layers, plan.mesh.tp)
+    mesh = plan.mesh
+    predicted = profile.local_params(profile.layers, mesh.tp, mesh.ep,
+                                     profile.expert_tp(mesh.tp, mesh.sp, mesh.ep))
     expected_memory = training_state(elements, plan.dtype, plan.optimizer, plan.zero,
                                      plan.mesh.dp).params
     counts = Counter()

@@ -159,7 +159,8 @@ class LayerTimes:
 def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
                 dtype: str, graph_dtype_bytes: int, attention: str = "flash",
                 tp_overlap: float = 0.0, kv_heads: int | None = None,
-                vocab: int | None = None, moe_load_skew: float = 0.0) -> LayerTimes:
+                vocab: int | None = None, moe_load_skew: float = 0.0,
+                expert_tp: bool = False) -> LayerTimes:
     mesh, b = layout.mesh, layout.microbatch_size
     t, sp = mesh.tp, mesh.sp
     v = layer.values(b, seq)
@@ -175,8 +176,14 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
         ways = {"mm_sharded": t, "mm_kv": kv, "mm_vocab": vocab_ways, "mm_replicated": 1}
         matmul += shape_lost_flops(layer, b, seq, ways, device, dtype) \
             / (peak * MATMUL_EFFICIENCY)
-    moved = (v["bytes_sharded"] / t + v["bytes_replicated"] * replicated_share) * scale
-    other = (v["other_sharded"] / t + v["other_replicated"] * replicated_share) / peak
+    # expert tensor parallelism (`expert_tp`, ModelProfile.expert_tp): each tp rank runs
+    # its slice of every expert, a tp-th of the MoE op's work and of the bytes it moves
+    # (counted as replicated; its weights and intermediate rows dominate those)
+    split_off = (1 - 1 / t) if expert_tp else 0.0
+    moved = (v["bytes_sharded"] / t + v["bytes_replicated"] * replicated_share
+             - v["moe_bytes"] * split_off) * scale
+    other = (v["other_sharded"] / t + v["other_replicated"] * replicated_share
+             - v["moe_flops"] * split_off) / peak
     bandwidth = device.memory_bandwidth * MEMORY_EFFICIENCY
     core = v["attention_flops"] / t / (peak * MATMUL_EFFICIENCY)  # the attention core
     scores_saved = 0.0
@@ -209,6 +216,13 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
         # full recomputation runs the forward, its collectives included, a second time
         repeats = 2 if c.direction == "forward" and full else 1
         tp_comm += repeats * time * (1.0 - tp_overlap)
+    if expert_tp and v["moe_flops"]:
+        # the op's output summed over tp (again under full recomputation), in backward
+        # the gradients of its tokens and of the router weights (ops/moe.py)
+        ranks = axis_ranks(mesh, "tp")
+        tokens = comm.all_reduce(cluster, ranks, v["moe_tokens"] * scale)
+        weights = comm.all_reduce(cluster, ranks, v["moe_routes"] * graph_dtype_bytes * scale)
+        tp_comm += ((2 if full else 1) * tokens + tokens + weights) * (1.0 - tp_overlap)
     chunks = 0
     if t > 1 and sp and layer.collectives and layout.collective_matmul is not False \
             and not tp_overlap:  # (a fitted overlap share already prices the hiding)
@@ -540,7 +554,8 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
             if key not in cache:
                 cache[key] = layer_times(layer, cluster, layout, seq, dtype,
                                          graph_dtype_bytes, attention, tp_overlap,
-                                         profile.kv_heads, profile.vocab, moe_load_skew)
+                                         profile.kv_heads, profile.vocab, moe_load_skew,
+                                         profile.expert_tp(mesh.tp, mesh.sp, mesh.ep))
             times.append(cache[key])
         chunked = tuple((layer.name, t.chunks) for layer, t in zip(profile.layers, times)
                         if t.chunks)
@@ -619,7 +634,8 @@ def memory_per_pp_rank(profile: ModelProfile, cluster, layout: Layout, seq: int 
         if layer.signature not in by_signature:
             by_signature[layer.signature] = layer_times(
                 layer, links, layout, seq, dtype, graph_dtype_bytes, "flash", 0.0,
-                profile.kv_heads, profile.vocab)
+                profile.kv_heads, profile.vocab,
+                expert_tp=profile.expert_tp(mesh.tp, mesh.sp, mesh.ep))
     times = [by_signature[layer.signature] for layer in profile.layers]
     placement = stage_ranks(layout.schedule, mesh.pp, layout.virtual_stages)
     stages = stage_split(times, placement, stage_starts, cache, shape)
@@ -653,7 +669,8 @@ def _held(profile: ModelProfile, stages: Split, shape: tuple, cache: dict,
     key = ("held", stages.starts, stages.placement, *shape, gather_limit, width)
     if key not in cache:
         tp, ep = shape[1], shape[4]
-        per_rank = [_rank_params(profile, spans, tp, cache, gather_limit, width, ep)
+        etp = profile.expert_tp(tp, shape[2], ep)
+        per_rank = [_rank_params(profile, spans, tp, cache, gather_limit, width, ep, etp)
                     for spans in stages.ranges]
         params = tuple(local for local, _, _ in per_rank)
         first: dict[tuple, int] = {}
@@ -669,25 +686,27 @@ def _held(profile: ModelProfile, stages: Split, shape: tuple, cache: dict,
 
 def _rank_params(profile: ModelProfile, ranges: tuple[tuple[int, int], ...], tp: int,
                  cache: dict, gather_limit: float = 0.0,
-                 width: int = 4, ep: int = 1) -> tuple[float, int, int]:
+                 width: int = 4, ep: int = 1, etp: bool = False) -> tuple[float, int, int]:
     """(parameters one tp rank of a pp rank holds, its parameter tensors, its ZeRO-3
     gathers) for the stages in `ranges`: a parameter tied between two stages of the rank
     is held once; the gathers are `layers.gather_groups` of its layers that read
-    parameters (`width` bytes each), as passes/zero.py places them."""
-    key = ("params", ranges, tp, gather_limit, width, ep)
+    parameters (`width` bytes each), as passes/zero.py places them; `etp`: tp splits the
+    experts (ModelProfile.expert_tp)."""
+    key = ("params", ranges, tp, gather_limit, width, ep, etp)
     if key not in cache:
         # the parameter count depends on neither the gather limit nor the width: shared
-        held = ("held params", ranges, tp, ep)
+        held = ("held params", ranges, tp, ep, etp)
         if held not in cache:
             layers = [layer for first, end in ranges for layer in profile.layers[first:end]]
             names = {name for layer in layers for name, _, _ in layer.params}
-            cache[held] = (profile.local_params(layers, tp, ep), len(names))
+            cache[held] = (profile.local_params(layers, tp, ep, etp), len(names))
         gathers = 0
         if gather_limit:
             sizes, starts = [], []
             for first, end in ranges:
                 reading = [i for i in range(first, end) if profile.layers[i].params]
-                sizes += [_layer_params(profile, i, tp, cache, ep) * width for i in reading]
+                sizes += [_layer_params(profile, i, tp, cache, ep, etp) * width
+                          for i in reading]
                 starts += [i == 0 for i in range(len(reading))]
             gathers = len(gather_groups(sizes, starts, gather_limit))
         else:  # no limit: one gather per layer that reads parameters
@@ -698,11 +717,11 @@ def _rank_params(profile: ModelProfile, ranges: tuple[tuple[int, int], ...], tp:
 
 
 def _layer_params(profile: ModelProfile, index: int, tp: int, cache: dict,
-                  ep: int = 1) -> float:
+                  ep: int = 1, etp: bool = False) -> float:
     """Parameters one tp (and ep) rank holds of layer `index` (memoized per tp, ep)."""
-    key = ("layer params", index, tp, ep)
+    key = ("layer params", index, tp, ep, etp)
     if key not in cache:
-        cache[key] = profile.local_params([profile.layers[index]], tp, ep)
+        cache[key] = profile.local_params([profile.layers[index]], tp, ep, etp)
     return cache[key]
 
 

@@ -20,6 +20,7 @@ from ..cost.compute import (MATMUL_OPS, MOE_EXPERTS, _tensors, bytes_moved, extr
                             forward_flops, nbytes_expr,
                             grad_nodes, numel_expr, saved_nodes, sym_expr)
 from ..graph import AH_PARAM, AH_ROLE, VAL, VIEW_OPS, op_name
+from ..ops.moe import tensor_parallel_experts
 from .layers import Layer, segment
 from .sharding import R, TensorParallelLayout, param_key
 from .tp_gradients import megatron_layout
@@ -29,7 +30,7 @@ from .tp_choice import Rates, choose_layout
 FIELDS = ("mm_sharded", "mm_replicated", "other_sharded", "other_replicated",
           "bytes_sharded", "bytes_replicated", "saved_sharded", "saved_replicated",
           "attention_flops", "attention_saved", "attention_scores", "input_bytes", "mm_kv",
-          "mm_vocab", "moe_routed", "moe_flops", "moe_routes")
+          "mm_vocab", "moe_routed", "moe_flops", "moe_routes", "moe_tokens", "moe_bytes")
 
 
 @dataclass(frozen=True)
@@ -71,12 +72,12 @@ class LayerProfile:
 
 
 def split_ways(split: str, tp: int, kv_heads: int | None = None,
-               vocab: int | None = None, ep: int = 1) -> float:
+               vocab: int | None = None, ep: int = 1, expert_tp: bool = False) -> float:
     """Over how many ranks a value marked `split` ("tp", "kv", "vocab", "none"; "expert":
-    a MoE layer's expert weights, split over ep) is divided: its size over the size one
-    rank holds."""
+    a MoE layer's expert weights, split over ep, or over tp where `expert_tp`:
+    `ModelProfile.expert_tp`) is divided: its size over the size one rank holds."""
     if split == "expert":
-        return ep
+        return tp if expert_tp else ep
     if split == "kv" and kv_heads:
         return min(tp, kv_heads)  # more ranks than KV heads: KV heads are replicated
     if split == "vocab" and vocab:
@@ -85,11 +86,11 @@ def split_ways(split: str, tp: int, kv_heads: int | None = None,
 
 
 def local_params(layers: list[LayerProfile], tp: int, kv_heads: int | None = None,
-                 vocab: int | None = None, ep: int = 1) -> float:
+                 vocab: int | None = None, ep: int = 1, expert_tp: bool = False) -> float:
     """Parameters one tp (and ep) rank holds for `layers` (a tied parameter counted once;
     padded vocabulary rows counted)."""
     unique = {name: (count, split) for layer in layers for name, count, split in layer.params}
-    return sum(count / split_ways(split, tp, kv_heads, vocab, ep)
+    return sum(count / split_ways(split, tp, kv_heads, vocab, ep, expert_tp)
                for count, split in unique.values())
 
 
@@ -106,12 +107,24 @@ class ModelProfile:
     kv_heads: int | None
     vocab: int | None = None      # vocabulary of the vocabulary-parallel layers
     experts: tuple[int, ...] = ()  # experts of each MoE layer (autohybrid::moe_experts)
+    expert_inter: tuple[int, ...] = ()  # each MoE layer's intermediate size
 
-    def local_params(self, layers: list[LayerProfile], tp: int, ep: int = 1) -> float:
-        return local_params(layers, tp, self.kv_heads, self.vocab, ep)
+    def expert_tp(self, tp: int, sp: bool, ep: int) -> bool:
+        """Whether tp splits every expert's intermediate size (expert tensor parallelism:
+        ops.moe.tensor_parallel_experts, as passes/expert_parallel.py asks)."""
+        return bool(self.experts) and tensor_parallel_experts(tp, sp, ep, self.expert_inter)
 
-    def expert_params(self, layers: list[LayerProfile], ep: int) -> float:
-        """Of `local_params`, the experts' slices one ep rank holds (summed over "edp")."""
+    def local_params(self, layers: list[LayerProfile], tp: int, ep: int = 1,
+                     expert_tp: bool = False) -> float:
+        return local_params(layers, tp, self.kv_heads, self.vocab, ep, expert_tp)
+
+    def expert_params(self, layers: list[LayerProfile], ep: int,
+                      expert_tp: bool = False) -> float:
+        """Of `local_params`, the experts' slices one ep rank holds (summed over "edp");
+        none with `expert_tp` (ep = 1: tp's slices of the experts are summed over dp, as
+        any tp shard)."""
+        if expert_tp:
+            return 0.0
         unique = {name: count for layer in layers for name, count, split in layer.params
                   if split == "expert"}
         return sum(unique.values()) / ep
@@ -175,9 +188,10 @@ def profile(gm: fx.GraphModule, dim_roles: dict[sympy.Symbol, str],
     unique = {n.meta.get(AH_PARAM, n.name): n.meta[VAL].numel() for n in gm.graph.nodes
               if n.op == "placeholder" and n.meta.get(AH_ROLE) == "param"}
     heads, kv_heads = _heads(gm)
-    experts = tuple(int(n.args[5]) for n in gm.graph.nodes if op_name(n) == MOE_EXPERTS)
+    moe = [n for n in gm.graph.nodes if op_name(n) == MOE_EXPERTS]
     return ModelProfile(layers, layout, sum(unique.values()), heads, kv_heads, layout.vocab,
-                        experts)
+                        tuple(int(n.args[5]) for n in moe),
+                        tuple(int(n.args[4].meta[VAL].shape[-1]) for n in moe))
 
 
 def has_sequence_region(gm: fx.GraphModule, layout: TensorParallelLayout,
@@ -245,6 +259,9 @@ def _compile_layer(layer: Layer, layout: TensorParallelLayout, subs: dict, batch
                                       * x.element_size())
             sums["moe_flops"].append(forward_flops(node))
             sums["moe_routes"].append(numel_expr(index))   # tokens × top-k
+            # the tokens' bytes, which expert tensor parallelism all-reduces
+            sums["moe_tokens"].append(numel_expr(x) * x.element_size())
+            sums["moe_bytes"].append(bytes_moved(node))
         if name == "aten.scaled_dot_product_attention.default":
             sums["attention_flops"].append(forward_flops(node))
             q, k = node.args[0].meta[VAL], node.args[1].meta[VAL]  # (B, H, Tq, D), (B, H, Tk, D)
