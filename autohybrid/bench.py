@@ -13,7 +13,9 @@ the same seed, the same batches):
 - order: eager first (rank 0); then the compiled run alone — `warmup` + `steps` timed
   steps, its profiled steps, its memory; then the baseline, whose timed steps alternate
   with steps of the compiled run (still alive), a barrier before each: compiled step,
-  baseline step, next batch. The compiled run's figures are those paired steps
+  baseline step, next batch, baseline step, compiled step, next batch, ... (the order
+  alternates, so what one step leaves the next falls on both alike). The compiled run's
+  figures are those paired steps
   (`paired_times`), and `paired_ratio` is the median over steps of compiled ÷ baseline,
   two adjacent steps each: on a machine shared with other jobs (or two ranks sharing two
   cores) load falls on both alike, which two runs one after another cannot promise.
@@ -523,20 +525,28 @@ def _baseline(rank: int, job: _Job, data: list, device: torch.device, plan: Plan
 
 def _alternated(step: Callable, other: Callable, data: list, rank: int, label: str
                 ) -> tuple[list[float], list[float], list[float]]:
-    """`step` over `data` (times and losses), each step after one of `other` (its times):
-    adjacent steps, so load from other jobs falls on both alike."""
+    """`step` over `data` (times and losses), each step beside one of `other` (its times):
+    adjacent steps, so load from other jobs falls on both alike; `other` first in even
+    pairs, second in odd ones, so what one leaves the next (a cache the other's tensors
+    evicted, memory the allocator handed back) falls on both alike too."""
     times, losses, others = [], [], []
+
+    def timed(fn, inputs, targets) -> tuple[float, float]:
+        dist.barrier()
+        start = time.perf_counter()
+        loss = float(fn(inputs, targets))
+        return time.perf_counter() - start, loss
+
     bar = logs.progress(len(data), f"bench {label} (paired)") if rank == 0 else _quiet()
     with bar as progress:
-        for inputs, targets in data:
-            dist.barrier()
-            start = time.perf_counter()
-            float(other(inputs, targets))
-            others.append(time.perf_counter() - start)
-            dist.barrier()
-            start = time.perf_counter()
-            losses.append(float(step(inputs, targets)))
-            times.append(time.perf_counter() - start)
+        for i, (inputs, targets) in enumerate(data):
+            if i % 2 == 0:
+                others.append(timed(other, inputs, targets)[0])
+            took, loss = timed(step, inputs, targets)
+            if i % 2:
+                others.append(timed(other, inputs, targets)[0])
+            times.append(took)
+            losses.append(loss)
             progress.advance()
     return times, losses, others
 
