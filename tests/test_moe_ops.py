@@ -204,33 +204,37 @@ def test_expert_parallel_equals_the_whole_batch(world, experts):
 
 # ------------------------------------------------------------------ expert tensor parallelism
 
-def _tp_rank(rank: int, world: int, routes: str) -> str:
+def _tp_rank(rank: int, world: int) -> str:
     """Every rank: the same tokens and routes, slice `rank` of each expert's intermediate
-    size (gate rows, up rows, down columns)."""
+    size (gate rows, up rows, down columns); routes spread, then all to one expert."""
     groups.bind("tp", dist.group.WORLD)
     try:
-        inter, experts = 4 * world, 4
-        x, idx, w, gate_up, down = _inputs(9, experts, 2, routes, seed=3, inter=inter)
-        idx[2, 0] = experts                         # a sentinel route
-        gy = torch.randn(9, H, dtype=D, generator=torch.Generator().manual_seed(7))
-        full = _leaves(x, w, gate_up, down)
-        ref = _reference(full[0], idx, full[1], full[2], full[3], "gelu")
-        ref_grads = torch.autograd.grad(ref, full, gy)
-        width = inter // world
-        cols = slice(rank * width, (rank + 1) * width)
-        rows = torch.cat([torch.arange(inter)[cols], inter + torch.arange(inter)[cols]])
-        part = _leaves(x, w, gate_up[:, rows], down[:, :, cols])
-        out = moe_experts(part[0], idx, part[1], part[2], part[3], experts, "gelu", "", 1,
-                          "tp")
-        _close("output", out, ref)
-        grads = torch.autograd.grad(out, part, gy)
-        _close("grad x", grads[0], ref_grads[0])
-        _close("grad weights", grads[1], ref_grads[1])
-        _close("grad gate_up", grads[2], ref_grads[2][:, rows])
-        _close("grad down", grads[3], ref_grads[3][:, :, cols])
+        for routes in ("spread", "one"):
+            _tp_case(rank, world, routes)
     finally:
         groups.clear()
     return f"ok:{rank}"
+
+
+def _tp_case(rank: int, world: int, routes: str) -> None:
+    inter, experts = 4 * world, 4
+    x, idx, w, gate_up, down = _inputs(9, experts, 2, routes, seed=3, inter=inter)
+    idx[2, 0] = experts                         # a sentinel route
+    gy = torch.randn(9, H, dtype=D, generator=torch.Generator().manual_seed(7))
+    full = _leaves(x, w, gate_up, down)
+    ref = _reference(full[0], idx, full[1], full[2], full[3], "gelu")
+    ref_grads = torch.autograd.grad(ref, full, gy)
+    width = inter // world
+    cols = slice(rank * width, (rank + 1) * width)
+    rows = torch.cat([torch.arange(inter)[cols], inter + torch.arange(inter)[cols]])
+    part = _leaves(x, w, gate_up[:, rows], down[:, :, cols])
+    out = moe_experts(part[0], idx, part[1], part[2], part[3], experts, "gelu", "", 1, "tp")
+    _close(f"{routes}: output", out, ref)
+    grads = torch.autograd.grad(out, part, gy)
+    _close(f"{routes}: grad x", grads[0], ref_grads[0])
+    _close(f"{routes}: grad weights", grads[1], ref_grads[1])
+    _close(f"{routes}: grad gate_up", grads[2], ref_grads[2][:, rows])
+    _close(f"{routes}: grad down", grads[3], ref_grads[3][:, :, cols])
 
 
 @pytest.mark.procs
@@ -239,10 +243,8 @@ def _tp_rank(rank: int, world: int, routes: str) -> str:
 def test_tensor_parallel_experts_equal_the_whole_experts(world):
     """Expert tensor parallelism: each rank's slice of every expert, the output and the
     token and router-weight gradients summed over the ranks: the whole experts' values."""
-    for routes in ("spread", "one"):
-        results = pool_launch(_tp_rank, world, args=(world, routes),
-                              timeout_s=LAUNCH_TIMEOUT_S)
-        assert results == [f"ok:{r}" for r in range(world)]
+    results = pool_launch(_tp_rank, world, args=(world,), timeout_s=LAUNCH_TIMEOUT_S)
+    assert results == [f"ok:{r}" for r in range(world)]
 
 
 def test_tensor_parallel_experts_is_decided_in_one_place():
