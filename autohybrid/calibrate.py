@@ -282,7 +282,9 @@ def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], ranks: int,
     one's time, so the intercept α came out negative (reported as 0) under load. Each
     point weighted by 1/T² keeps the latency-dominated small messages in the fit; exact
     data give the same α, β either way. Where noise still makes the intercept ≤ 0, the
-    smallest message's whole time bounds the latency from above and is what α reports."""
+    smallest message's whole time bounds the latency from above and is what α reports;
+    where it makes the slope ≤ 0 (seen under load: a kind's larger messages timed no
+    slower), the largest message's whole time per byte bounds β from above likewise."""
     c, per_byte = FORMULAS[kind](ranks)
     xs = [per_byte * n for n in sizes]
     weights = [1.0 / (t * t) if t > 0 else 0.0 for t in times]
@@ -295,9 +297,14 @@ def fit_alpha_beta(sizes: Sequence[float], times: Sequence[float], ranks: int,
     sxt = sum(w * x * t for w, x, t in zip(weights, xs, times))
     det = sw * sxx - sx * sx
     beta = max((sw * sxt - sx * st) / det if det else 0.0, 0.0)
+    smallest = min(range(len(xs)), key=xs.__getitem__)
+    if beta <= 0 and xs[smallest] < max(xs):
+        # noise hid the growth with size (the larger messages no slower): the largest
+        # message's whole time per byte bounds β from above, as the smallest's bounds α
+        largest = max(range(len(xs)), key=xs.__getitem__)
+        return times[smallest] / c, times[largest] / xs[largest]
     intercept = (st - beta * sx) / sw
     if intercept <= 0:
-        smallest = min(range(len(xs)), key=xs.__getitem__)
         intercept = times[smallest]
     return intercept / c, beta
 
