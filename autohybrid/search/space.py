@@ -118,13 +118,9 @@ class ModelProfile:
                      expert_tp: bool = False) -> float:
         return local_params(layers, tp, self.kv_heads, self.vocab, ep, expert_tp)
 
-    def expert_params(self, layers: list[LayerProfile], ep: int,
-                      expert_tp: bool = False) -> float:
-        """Of `local_params`, the experts' slices one ep rank holds (summed over "edp");
-        none with `expert_tp` (ep = 1: tp's slices of the experts are summed over dp, as
-        any tp shard)."""
-        if expert_tp:
-            return 0.0
+    def expert_params(self, layers: list[LayerProfile], ep: int) -> float:
+        """Of `local_params`, the experts' slices one ep rank holds (summed over "edp";
+        asked only with ep > 1, where tp never splits the experts)."""
         unique = {name: count for layer in layers for name, count, split in layer.params
                   if split == "expert"}
         return sum(unique.values()) / ep
