@@ -20,6 +20,7 @@ from .checks import check_global_batch, check_plan_world_size, params_hash
 from .cluster import Cluster
 from .errors import AutohybridError, NotExecutableError, PlanError
 from .features import unsupported
+from .passes.global_loss import whole_batch_term
 from .passes.pipeline_split import pipeline_blockers
 from .passes.sync_batch_norm import training_batch_norms
 from .plan import Constraints, Plan, schedule_problem
@@ -111,6 +112,8 @@ def make_plan(named: CapturedGraph, train: CapturedGraph | None, model: nn.Modul
         optimizer=optimizer, constraints=constraints or Constraints(), model_ref=model_ref,
         has_batch_norm=bool(training_batch_norms(costed.gm)),
         pp_blockers=tuple(pipeline_blockers(costed.gm)),
+        whole_batch_sums=train is not None and whole_batch_term(train.gm,
+                                                                train.user_outputs[0]),
         calibration_hash=profile_.hash() if profile_ is not None else None,
         moe_load_skew=moe_load_skew)
     if trial is None:

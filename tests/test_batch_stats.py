@@ -4,17 +4,21 @@ A term without a batch dim — a weight regularizer, or a load-balancing loss co
 sums over every sample — is added once to the loss; each shard back-propagates its
 numerator plus the term weighted by its share of the denominator. Process-free: a
 regularizer (no statistic of the batch) splits over any shards, sequentially, with
-eager's loss and gradients, and the refusals (a statistic that is not a sum, a count not
-proportional to the batch, microbatches with a whole-batch statistic). On 2 gloo ranks: a
-balance-style term from batch sums and the batch's size trains like eager under dp (SGD
-and AdamW, an uneven split of the batch, ignored targets).
+eager's loss and gradients; a balance-style term from batch sums does too when the sums
+are added up over the microbatches first (runtime/whole_batch.py), and does not without;
+the refusals (a statistic that is not a sum, a count not proportional to the batch,
+random draws a pipeline rank would redraw in another order); the planner's flag for the
+extra forward. On 2 gloo ranks: the balance-style term trains like eager under dp, with
+and without microbatches (SGD and AdamW, an uneven split of the batch, ignored targets).
 """
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import autohybrid as ah
@@ -23,7 +27,11 @@ from _limits import guard
 from _pool import launch as pool_launch
 from autohybrid.capture import capture
 from autohybrid.passes import run_passes
-from autohybrid.passes.global_loss import global_loss
+from autohybrid.graph import output_node
+from autohybrid.ops import groups
+from autohybrid.passes.global_loss import global_loss, whole_batch_term
+from autohybrid.plan import Mesh, RankPlacement
+from autohybrid.runtime import whole_batch
 from test_passes import Net, make_plan, rewritten, train_context
 
 CLASSES, BATCH, IGNORE = 5, 12, -1
@@ -119,33 +127,103 @@ def test_terms_that_are_not_sums_over_the_batch_are_refused_when_split(name: str
         run_passes(cap.gm, train_context(cap, make_plan(dp=2)), [("global_loss", global_loss)])
 
 
-def test_a_whole_batch_term_is_summed_over_dp_and_refused_with_microbatches() -> None:
+def test_a_whole_batch_term_is_summed_over_dp_and_weighted_for_microbatches() -> None:
     g = torch.Generator().manual_seed(5)
     model = Net().double()
     x, t = _inputs(g)
     cap = capture(model, (x[:4],), _balance, (t[:4],))
-    ctx = train_context(cap, make_plan(dp=2))
-    gm = run_passes(cap.gm, ctx, [("global_loss", global_loss)])
-    sums = [n for n in gm.graph.nodes if n.target is torch.ops.autohybrid.batch_sum.default]
-    # the class counts, the probability sums, and the batch size (twice)
-    assert len(sums) == 4 and all(n.args[1] == "dp" for n in sums), sums
-    assert ctx.notes["loss_kind"] == "mean"
-    for plan in (make_plan(dp=2, num_microbatches=2), make_plan(num_microbatches=2)):
-        with pytest.raises(ah.PlanError, match="statistics of the whole batch.*one microbatch"):
-            run_passes(cap.gm, train_context(cap, plan), [("global_loss", global_loss)])
+    for plan in (make_plan(dp=2), make_plan(dp=2, num_microbatches=2)):
+        ctx = train_context(cap, plan)
+        gm = run_passes(cap.gm, ctx, [("global_loss", global_loss)])
+        sums = [n for n in gm.graph.nodes if n.target is torch.ops.autohybrid.batch_sum.default]
+        # the class counts, the probability sums, and the batch size (twice); keyed by name
+        assert len(sums) == 4 and all(n.args[1:] == ("dp", n.name) for n in sums), sums
+        assert ctx.notes["loss_kind"] == "mean"
+        (weight,) = [n for n in gm.graph.nodes
+                     if n.target is torch.ops.autohybrid.term_weight.default]
+        assert weight.args[0] is output_node(gm).args[0][-1]   # of the denominator
 
 
-def _rank(rank: int, cases: list[tuple[str, int]]) -> Failures:
+def _run_shards(program, state, x, t, bounds, sums_first: bool):
+    """The shards [a, b) of `bounds` as one rank's microbatches, forward and backward in
+    turn (the executor's loop); with `sums_first`, the whole-batch sums added up before
+    (runtime/whole_batch.py). (Σ numerators, Σ denominators)."""
+    shards = list(zip(bounds, bounds[1:]))
+    sums = None
+    if sums_first:
+        sums = whole_batch.sums_first(
+            lambda: sum(program.run(state, (x[a:b],), (t[a:b],))[-1] for a, b in shards),
+            len(shards))
+    numerator = denominator = 0.0
+    with whole_batch.step(sums, len(shards)):
+        for a, b in shards:
+            num, den = program.run(state, (x[a:b],), (t[a:b],))
+            num.backward()
+            numerator, denominator = numerator + num.detach(), denominator + den.detach()
+    return numerator, denominator
+
+
+def test_a_whole_batch_term_over_microbatches_gives_eagers_loss_and_gradients() -> None:
+    """One process, the shards as microbatches: with the sums added up first, eager's
+    loss and gradients for any split; run as if each shard saw the whole batch (each
+    microbatch's own sums), neither."""
+    g = torch.Generator().manual_seed(7)
+    model = Net().double()
+    x, t = _inputs(g)
+    cap = capture(model, (x[:4],), _balance, (t[:4],))
+    ctx = train_context(cap, make_plan(num_microbatches=2))
+    program = rewritten(cap, ctx, run_passes(cap.gm, ctx, [("global_loss", global_loss)]))
+    groups.bind("dp", None)   # a mesh of one rank: batch_sum adds nothing over dp
+    try:
+        _check_microbatches(model, program, cap.default_state(model), x, t)
+    finally:
+        groups.clear()
+
+
+def _check_microbatches(model, program, state, x, t) -> None:
+    eager = copy.deepcopy(model)
+    want = _balance(eager(x), t)
+    want.backward()
+    for bounds in ([0, 6, 12], [0, 5, 9, 12], [0, 1, 2, 3, 12]):
+        model.zero_grad()
+        numerator, denominator = _run_shards(program, state, x, t, bounds, True)
+        torch.testing.assert_close(numerator / denominator, want.detach(), rtol=1e-12,
+                                   atol=1e-12)
+        for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+            torch.testing.assert_close(p.grad / denominator, q.grad, rtol=1e-10, atol=1e-12,
+                                       msg=f"gradient of {name}, shards {bounds}")
+    model.zero_grad()   # the control: each microbatch's own statistics are not eager's
+    numerator, denominator = _run_shards(program, state, x, t, [0, 6, 12], False)
+    assert abs(float(numerator / denominator - want.detach())) > 1e-6
+
+
+def test_whole_batch_terms_microbatches_cannot_add_up_are_refused() -> None:
+    """A rank holding several pipeline stages runs its forwards in another order than the
+    forward adding up the sums: the random draws would differ."""
+    x, t = _inputs(torch.Generator().manual_seed(5))
+    drop = nn.Sequential(nn.Dropout(0.1), Net()).double()
+    cap = capture(drop, (x[:4],), _balance, (t[:4],))
+    two = make_plan(num_microbatches=2)
+    run_passes(cap.gm, train_context(cap, two), [("global_loss", global_loss)])
+    looped = dataclasses.replace(two, mesh=Mesh(pp=2), virtual_stages=2,
+                                 schedule="interleaved", placement=tuple(
+                                     RankPlacement(rank=r, node=0, device=r) for r in (0, 1)))
+    with pytest.raises(ah.PlanError, match="draws random numbers.*2 pipeline stages per rank"):
+        run_passes(cap.gm, train_context(cap, looped), [("global_loss", global_loss)])
+
+
+def _rank(rank: int, cases: list[tuple[str, int, int]]) -> Failures:
     fails = Failures()
-    for optimizer, batch in cases:
+    for optimizer, batch, micro in cases:
         torch.manual_seed(0)
         model = Net().double()
         g = torch.Generator().manual_seed(batch)
         batches = [((x,), t) for x, t in (_inputs(g, batch) for _ in range(2))]
         example = _inputs(g, 8)    # planned for 8 samples, trained on `batch`
-        train_and_compare(fails, f"balance term, batch {batch}, {optimizer}", model, batches,
+        train_and_compare(fails, f"balance term, batch {batch}, {micro} microbatches, "
+                          f"{optimizer}", model, batches,
                           2, loss_fn=_balance, optimizer=OPTIMIZERS[optimizer],
-                          constraints=ah.Constraints(dp=2),
+                          constraints=ah.Constraints(dp=2, num_microbatches=micro),
                           example=((example[0],), example[1]))
     return fails
 
@@ -153,6 +231,19 @@ def _rank(rank: int, cases: list[tuple[str, int]]) -> Failures:
 @pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_a_whole_batch_term_trains_like_eager_under_data_parallelism():
-    results = pool_launch(_rank, 2, args=([("sgd", 12), ("adamw", 12), ("sgd", 7)],),
+    results = pool_launch(_rank, 2, args=([("sgd", 12, 1), ("adamw", 12, 1), ("sgd", 7, 1),
+                                          ("sgd", 12, 2), ("adamw", 12, 4)],),
                           timeout_s=guard(150))
     assert results == [[], []], "\n".join(line for r in results for line in r)
+
+
+def test_the_planner_knows_a_loss_term_reads_whole_batch_statistics() -> None:
+    """passes/global_loss.whole_batch_term: the balance term reads sums over the batch
+    (its plans with microbatches are priced one more forward: test_search), a
+    regularizer does not, a plain loss has no term."""
+    x, t = _inputs(torch.Generator().manual_seed(8))
+    for model, loss_fn, want in ((Net(), _balance, True), (_Penalized(), _regularized, False),
+                                 (Net(), lambda o, t: F.cross_entropy(o, t.clamp(min=0)),
+                                  False)):
+        cap = capture(model.double(), (x[:4],), loss_fn, (t[:4],))
+        assert whole_batch_term(cap.gm, cap.user_outputs[0]) is want, loss_fn

@@ -314,3 +314,29 @@ def test_kv_heads_are_replicated_when_tp_exceeds_them():
         rest + (tp_count + kv_count) / 2)
     assert local_params(prof.layers, 4, prof.kv_heads) == pytest.approx(
         rest + tp_count / 4 + kv_count / 2)
+
+
+def test_a_whole_batch_loss_term_under_microbatches_is_priced_one_more_forward():
+    """runtime/whole_batch.py: the step forwards every microbatch once more, first
+    (through the stages in turn under pp); one microbatch runs as it is."""
+    from autohybrid.plan import Mesh
+    from autohybrid.search.pricing import Layout
+
+    prof = published_runs.gpt_profile(4, 1024, 16, 1024, 512)
+    cluster = ah.Cluster.preset("dgx-a100-80gb", nodes=1)
+    cache: dict = {}
+    for mesh, m in ((Mesh(pp=1, dp=8, tp=1), 4), (Mesh(pp=4, dp=2, tp=1), 8),
+                    (Mesh(pp=1, dp=8, tp=1), 1)):
+        layout = Layout(mesh, 2, m, bucket_mb=25.0)
+        plain, first = (price(prof, cluster, layout, 512, "float16", 4, "adam",
+                              2 * m * mesh.dp, cache, sums_first=s).prediction
+                        for s in (False, True))
+        if m == 1:
+            assert first == plain
+            continue
+        extra = first.step_time_s - plain.step_time_s
+        assert extra == pytest.approx(first.compute_s - plain.compute_s)
+        # a forward is a third of forward + backward (2×): m forwards of the busiest
+        # rank plus the pipeline's fill, (m + pp - 1) / 3 of a microbatch's slot
+        per_microbatch = plain.compute_s / (m + (mesh.pp - 1))
+        assert 0.2 * m * per_microbatch < extra < 0.5 * (m + mesh.pp - 1) * per_microbatch

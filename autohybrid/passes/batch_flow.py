@@ -1284,6 +1284,14 @@ def _batch_sum(self: BatchFlow, node: fx.Node) -> Flow:
     return _REP
 
 
+@_rule("autohybrid.term_weight")
+def _term_weight(self: BatchFlow, node: fx.Node) -> Flow:
+    """ops/batch_sum.py: the loss denominator's share the whole-batch term is weighted by
+    (its input's value, or under microbatches the rank's whole denominator over their
+    count): flows as its input."""
+    return self.flow(node.args[0])
+
+
 @_rule("autohybrid.moe_experts")
 def _moe_experts(self: BatchFlow, node: fx.Node) -> Flow:
     """ops/moe.py: output row t is a function of rows t of the tokens, routes and

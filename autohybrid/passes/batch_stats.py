@@ -16,8 +16,10 @@ op's backward adds the ranks' gradients the same way (ops/batch_sum.py), and
 global_loss.py back-propagates the term on each rank weighted by that rank's share of
 the loss's denominator, so the data-parallel gradient sum gives eager's gradient.
 
-The partial sums of all microbatches must be added before any backward, so a term that
-needs them runs with one microbatch and no pipeline (refused otherwise, with the reason).
+The partial sums of all microbatches must be added before any backward: with several
+microbatches the runtime computes them first, in a forward without autograd
+(ops/batch_sum.WholeBatch, runtime/whole_batch.py), and the term's weight in each
+shard's numerator is `autohybrid::term_weight(denominator)` (global_loss.py).
 
 Example::
 
@@ -65,19 +67,20 @@ def ancestors(node: fx.Node) -> set[fx.Node]:
 
 def globalize(gm: fx.GraphModule, term: fx.Node, flows: BatchFlow, axis: str
               ) -> list[fx.Node]:
-    """Insert `autohybrid::batch_sum(., axis)` after each partial sum `term` is computed
-    from, and for each batch-size number an element-wise op of `term`'s dataflow uses as
-    a value; return the new nodes (fake values still to fill). Uses outside the term's
-    dataflow keep the shard's values."""
+    """Insert `autohybrid::batch_sum(., axis, key)` (key: its node's name) after each
+    partial sum `term` is computed from, and for each batch-size number an element-wise
+    op of `term`'s dataflow uses as a value; return the new nodes (fake values still to
+    fill). Uses outside the term's dataflow keep the shard's values."""
     graph = gm.graph
     cone = ancestors(term)
     created: list[fx.Node] = []
-    for node in [n for n in graph.nodes if n in cone and n.op == "call_function"]:
+    for node in _statistics(graph, cone, flows):
         f = flows.flows.get(node)
         if isinstance(f, Flow) and f.kind == PARTIAL:
             users = [u for u in node.users if u in cone]
             with graph.inserting_after(node):
                 total = graph.call_function(_BATCH_SUM, (node, axis))
+            total.args = (node, axis, total.name)   # its key (ops/batch_sum.WholeBatch)
             for user in users:
                 user.replace_input_with(node, total)
             created.append(total)
@@ -87,11 +90,29 @@ def globalize(gm: fx.GraphModule, term: fx.Node, flows: BatchFlow, axis: str
                     count = graph.call_function(_SCALAR_TENSOR, (a,),
                                                 {"dtype": node.meta[VAL].dtype})
                     total = graph.call_function(_BATCH_SUM, (count, axis))
+                total.args = (count, axis, total.name)
                 node.replace_input_with(a, total)
                 created += [count, total]
     for node in created:
         node.meta[AH_PASS] = "global_loss"
     return created
+
+
+def reads_statistics(gm: fx.GraphModule, term: fx.Node, flows: BatchFlow) -> bool:
+    """Whether `globalize` would add anything: `term` is computed from partial sums over
+    the shard's samples or from its batch size (the planner prices the forward that adds
+    them up under microbatches: runtime/whole_batch.py)."""
+    return next(_statistics(gm.graph, ancestors(term), flows), None) is not None
+
+
+def _statistics(graph: fx.Graph, cone: set[fx.Node], flows: BatchFlow):
+    """The nodes of `cone` `globalize` rewrites: partial sums, and element-wise ops
+    reading batch-size numbers as tensors; in graph order."""
+    for node in [n for n in graph.nodes if n in cone and n.op == "call_function"]:
+        f = flows.flows.get(node)
+        if isinstance(f, Flow) and f.kind == PARTIAL or \
+                _elementwise(node) and _counts_as_tensors(node, flows):
+            yield node
 
 
 def _elementwise(node: fx.Node) -> bool:
@@ -113,3 +134,38 @@ def _counts_as_tensors(node: fx.Node, flows: BatchFlow) -> list[fx.Node]:
                 flows.flow(value).kind == BSIZE and value not in out:
             out.append(value)
     return out
+
+
+#: Ops drawing from the random generator (a dropout with p = 0 draws nothing).
+_RANDOM = ("dropout", "bernoulli", "rand", "normal", "multinomial", "uniform", "exponential")
+
+
+def whole_batch_problem(gm: fx.GraphModule, plan) -> str | None:
+    """Why the whole-batch statistics of `gm` (its `batch_sum` nodes) cannot be added up
+    over `plan`'s microbatches before the step, or None. The runtime computes them in a
+    forward without autograd and then runs the step's forwards with the totals
+    (runtime/whole_batch.py): the second forward must draw the random numbers the first
+    drew. The generator is restored between them, which gives the same draws when each
+    rank runs its forwards in the same order both times: one pipeline stage per rank.
+    (A statistic computed from another's total never gets here: batch_flow.py does not
+    prove it a partial sum.)"""
+    stages_per_rank = plan.virtual_stages
+    if plan.mesh.pp > 1 and stages_per_rank > 1:
+        drawn = next((n for n in gm.graph.nodes if _draws(n)), None)
+        if drawn is not None:
+            return (f"node {drawn.name!r} ({op_name(drawn)}) draws random numbers, and with "
+                    f"{stages_per_rank} pipeline stages per rank the schedule runs a rank's "
+                    "forwards in another order than that first forward, so they would draw "
+                    "other numbers. Use one stage per rank, or one microbatch")
+    return None
+
+
+def _draws(node: fx.Node) -> bool:
+    if node.op != "call_function" or not any(w in op_name(node) for w in _RANDOM):
+        return False
+    if "dropout" in op_name(node):
+        kw = schema_args(node)
+        p = kw.get("p")
+        return kw.get("train", True) is not False and not (isinstance(p, (int, float))
+                                                            and p == 0)
+    return True

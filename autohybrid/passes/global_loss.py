@@ -27,7 +27,8 @@ each shard's numerator becomes `numerator + denominator · term` (kind "mean"; "
 `numerator + term / shards`), so the shards' numerators add up to eager's loss and each
 shard back-propagates the term weighted by its share of the denominator. Statistics of
 the whole batch in the term (sums over the samples, the batch's size) are added over dp
-first (passes/batch_stats.py); those need one microbatch and no pipeline.
+first (passes/batch_stats.py); with several microbatches the runtime adds them up in a
+forward without autograd before the step's (ops/batch_sum.WholeBatch).
 
 Example::
 
@@ -45,10 +46,11 @@ from ..graph import (AH_PASS, AH_ROLE, VAL, op_name, output_node, placeholders, 
                      propagate_fake, source_line)
 from .batch_effects import describe, split_batch_effect
 from .batch_flow import REP, SPLIT, UNKNOWN, BatchFlow, Flow
-from .batch_stats import globalize, loss_terms
+from .batch_stats import globalize, loss_terms, reads_statistics, whole_batch_problem
 from .manager import PassContext
 
 aten = torch.ops.aten
+_TERM_WEIGHT = torch.ops.autohybrid.term_weight.default
 
 #: Scalar epilogue ops that commute with the sum over shards.
 _EPILOGUE = {"aten.mul.Tensor", "aten.mul.Scalar", "aten.div.Tensor", "aten.div.Scalar",
@@ -79,12 +81,14 @@ def global_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     created: list[fx.Node] = []
     shards = ctx.plan.mesh.dp * ctx.plan.num_microbatches
     whole = term = flows = None   # loss = main + term, term the same on every shard
+    whole_batch = False           # the term reads statistics of the whole batch
     if reduction is None and shards > 1:
         split = _main_and_term(gm, loss)
         if split is not None:
             whole, (loss, term, reduction) = loss, split
             new, flows = _global_term(gm, ctx, term)
             created += new
+            whole_batch = bool(new)
     mixed = reduction is not None and not _has_batch_dim(reduction.args[0], _batch_symbols(gm))
     if shards > 1 and reduction is not None and not mixed:
         _refuse_sample_mixing(gm, whole or loss, reduction, shards, per_sample, flows)
@@ -113,7 +117,11 @@ def global_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         created.append(denominator)
     if term is not None:   # each shard's numerator + its share of the term
         with graph.inserting_before(out):
-            share = (graph.call_function(aten.mul.Tensor, (term, denominator))
+            weight = denominator
+            if kind == "mean" and whole_batch:   # (ops/batch_sum.py: under microbatches)
+                weight = graph.call_function(_TERM_WEIGHT, (denominator,))
+                created.append(weight)
+            share = (graph.call_function(aten.mul.Tensor, (term, weight))
                      if kind == "mean" else
                      graph.call_function(aten.mul.Tensor, (term, 1.0 / shards)))
             loss = graph.call_function(aten.add.Tensor, (loss, share))
@@ -147,6 +155,17 @@ def _main_and_term(gm: fx.GraphModule, loss: fx.Node
     return None
 
 
+def whole_batch_term(gm: fx.GraphModule, loss_index: int) -> bool:
+    """Whether the loss (output `loss_index`) is main + a term computed from statistics of
+    the whole batch, which global_loss adds up over the shards (the planner prices the
+    forward that adds them up under microbatches: runtime/whole_batch.py)."""
+    loss = output_node(gm).args[0][loss_index]
+    if _find_reduction(loss) is not None:
+        return False
+    split = _main_and_term(gm, loss)
+    return split is not None and reads_statistics(gm, split[1], _flows(gm))
+
+
 def _global_term(gm: fx.GraphModule, ctx: PassContext, term: fx.Node
                  ) -> tuple[list[fx.Node], BatchFlow]:
     """Make `term` the whole batch's value on every shard (batch_stats.globalize), or
@@ -156,14 +175,14 @@ def _global_term(gm: fx.GraphModule, ctx: PassContext, term: fx.Node
     created = globalize(gm, term, flows, "dp")
     propagate_fake(gm, created)
     where = f"the loss term {term.name!r} (`{source_line(term)}`)"
-    if created and (ctx.plan.num_microbatches > 1 or ctx.plan.mesh.pp > 1):
-        raise PlanError(
-            f"{where} is computed from statistics of the whole batch (sums over every "
-            f"sample, e.g. a load-balancing loss over the batch's routing): the shards add "
-            f"them up before the backward, which {ctx.plan.num_microbatches} microbatches "
-            f"and {ctx.plan.mesh.pp} pipeline stages cannot do (the backward of one "
-            "microbatch starts before the next one's forward). Run it with one microbatch "
-            "and pp=1, or compute the term per sample")
+    if created and ctx.plan.num_microbatches > 1:
+        problem = whole_batch_problem(gm, ctx.plan)
+        if problem is not None:
+            raise PlanError(
+                f"{where} is computed from statistics of the whole batch (sums over every "
+                f"sample, e.g. a load-balancing loss over the batch's routing), which the "
+                f"runtime adds up over the {ctx.plan.num_microbatches} microbatches in a "
+                f"forward before the step's; {problem}")
     flows = _flows(gm) if created else flows   # (the new nodes have no flows yet)
     flow = flows.flow(term)
     if flow.kind != REP:

@@ -44,6 +44,7 @@ from .collectives import gradient_all_reduce
 from .groups import all_ranks_arrived
 from .pipeline import PipelineRunner, tree_map
 from .precision import LossScaler, any_nonfinite
+from . import whole_batch
 from .reducer import GradReducer
 from .zero import ZeroShards
 
@@ -209,9 +210,33 @@ class Executor:
         the last backward, so gradient buckets are summed while it runs. Returns the
         summed numerators and denominators, and the microbatches' per-sample statistics
         joined (None when the program has none). `before_backward()`: after the first
-        forward."""
+        forward. A loss term over the whole batch's statistics has them added up over
+        the microbatches first (runtime/whole_batch.py)."""
         micro_in = self.microbatches(inputs, "inputs")
         micro_tg = self.microbatches(targets, "targets")
+        count = len(micro_in)
+        stage = self.zero_stage
+        sums = None   # a loss term's whole-batch sums, added up first (whole_batch.py)
+        if count > 1 and whole_batch.has_batch_sums([program.gm]):
+            def forward_all() -> torch.Tensor:
+                total = None
+                for m in range(count):
+                    with release_gathered(stage == 3):
+                        den = program.run(self.state, micro_in[m], micro_tg[m])[-1]
+                    total = den if total is None else total + den
+                    if m == 0 and before_backward is not None:
+                        before_backward()   # (before the sums' all-reduce)
+                return total
+            sums = whole_batch.sums_first(forward_all, count)
+            before_backward = None
+        with whole_batch.step(sums, count):
+            return self._microbatches_run(program, micro_in, micro_tg, loss_scale,
+                                          before_backward)
+
+    def _microbatches_run(self, program: CapturedGraph, micro_in: list, micro_tg: list,
+                          loss_scale: float | None,
+                          before_backward: Callable[[], None] | None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         numerator = denominator = None
         stats: list[torch.Tensor] = []
         count = len(micro_in)

@@ -54,6 +54,7 @@ from ..graph import VAL
 from ..ops.zero import release_gathered
 from ..plan import Plan
 from ..program import PipelineSplit, StageGraph
+from . import whole_batch
 from .timeouts import new_group
 
 #: schedule → its class (None where this torch lacks it: features.check_pipelining says so)
@@ -238,6 +239,10 @@ class PipelineRunner:
         self.backward_done = 0
         #: told of weight-gradient steps (`weight_step(params)`: the dp reducer) or None
         self.grad_listener: Any = None
+        #: a loss term over whole-batch sums, added up before the step (whole_batch.py);
+        #: decided from every stage, so every rank runs the forward that adds them
+        self.whole_batch = plan.num_microbatches > 1 and whole_batch.has_batch_sums(
+            [stage.gm for stage in split.stages])
 
     def sum_shared_grads(self, holders: dict[str, torch.Tensor] | None = None) -> None:
         """Sum the gradients of parameters read by stages on several pp ranks (tied
@@ -310,13 +315,57 @@ class PipelineRunner:
         self.backward_done = 0
         kwargs = {f"b{j}": t for j, t in enumerate(batch)}
         dummy = torch.zeros(batch[0].shape[0], device=self.device)  # the loss reads no target
-        schedule.step(*inputs, target=dummy, return_outputs=False, **kwargs)
+        sums = None
+        if self.whole_batch:
+            sums = whole_batch.sums_first(lambda: self._forward_all(micro), len(micro))
+        with whole_batch.step(sums, len(micro)):
+            schedule.step(*inputs, target=dummy, return_outputs=False, **kwargs)
         if self.has_last:
             numerator = torch.stack([n.double() for n in self._numerators]).sum()
             denominator = torch.stack([d.double() for d in self._denominators]).sum()
         else:
             numerator = denominator = torch.zeros((), dtype=torch.float64, device=self.device)
         return numerator, denominator
+
+    def _forward_all(self, micro: list[list[torch.Tensor]]) -> torch.Tensor | None:
+        """Every microbatch through this rank's stages, forward only, stage by stage in
+        order and within a stage microbatch by microbatch (a rank's forwards in the order
+        a schedule with one stage per rank runs them); activations sent to other ranks
+        without waiting (a rank holding several stages receives the later ones' inputs
+        only after sending all of its earlier stage's). The sum of the microbatches' loss
+        denominators on the last stage's rank, else None."""
+        env = _symbol_values(self.program, self.split, micro[0])
+        ranks, last = self.plan.stage_ranks(), self.plan.num_stages - 1
+        kept: dict[tuple[int, int], tuple] = {}   # outputs for this rank's next stage
+        sending: list[tuple[Any, torch.Tensor]] = []
+        denominator = None
+        for s in self.stage_ids:
+            graph = self.split.stages[s]
+            for m, batch in enumerate(micro):
+                if s == 0:
+                    values = tuple(batch[: len(self.split.input_placeholders)])
+                elif ranks[s - 1] == self.pp_rank:
+                    values = kept.pop((s - 1, m))
+                else:
+                    grads = (False,) * len(graph.received_vals)
+                    values = tuple(torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+                                   for meta in _metas(graph.received_vals, grads, env))
+                    for t in values:
+                        dist.recv(t, group=self.pp_group, group_src=ranks[s - 1])
+                values = self.modules[s](*values, **{f"b{j}": t for j, t in enumerate(batch)})
+                if s == last:
+                    den = values[self._outputs[1]].detach()
+                    denominator = den if denominator is None else denominator + den
+                elif ranks[s + 1] == self.pp_rank:
+                    kept[(s, m)] = values
+                else:
+                    for t in values:
+                        t = t.contiguous()
+                        sending.append((dist.isend(t, group=self.pp_group,
+                                                   group_dst=ranks[s + 1]), t))
+        for work, _ in sending:
+            work.wait()
+        return denominator
 
     def sample_stats(self, batch: int) -> torch.Tensor | None:
         """The per-sample statistics of this rank's last step (its `batch` samples), from

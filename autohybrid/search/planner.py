@@ -84,6 +84,9 @@ class PlanRequest:
     #: MoE under ep: how much more than the mean routed rows the busiest rank's experts
     #: receive (0.2: 20 % more), priced as that much more expert compute
     moe_load_skew: float = 0.0
+    #: the loss has a term over statistics of the whole batch (passes/global_loss.py):
+    #: with microbatches the step runs one more forward first (runtime/whole_batch.py)
+    whole_batch_sums: bool = False
 
 
 @dataclass(frozen=True)
@@ -160,7 +163,8 @@ def search(profile: ModelProfile, cluster, request: PlanRequest,
                                request.graph_dtype_bytes, request.optimizer,
                                request.global_batch, cache, stage_starts=starts,
                                grad_reduce_dtype=request.constraints.grad_reduce_dtype,
-                               moe_load_skew=request.moe_load_skew)
+                               moe_load_skew=request.moe_load_skew,
+                               sums_first=request.whole_batch_sums)
                 candidates.append(Candidate(layout, priced, tuple(reasons)))
                 progress.tick(len(candidates))
                 if priced.fits:

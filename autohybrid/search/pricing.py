@@ -521,7 +521,8 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
           cache: dict | None = None, attention: str = "flash",
           tp_overlap: float = 0.0, stage_starts: tuple[int, ...] | None = None,
           pipeline_grad_overlap: bool = False, grad_reduce_dtype: str | None = None,
-          grad_sync_overlap: bool = True, moe_load_skew: float = 0.0) -> Priced:
+          grad_sync_overlap: bool = True, moe_load_skew: float = 0.0,
+          sums_first: bool = False) -> Priced:
     """Predict `layout`; `cache` (any dict, kept across calls) reuses layer times and splits.
 
     `tp_overlap` is the share of tensor-parallel communication hidden behind compute (0 for
@@ -538,6 +539,10 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
     Megatron-LM of 2021, which all-reduced its gradients once backward was done).
     `moe_load_skew`: under ep, the busiest rank's experts get that much more than the mean
     routed rows (every rank waits for it in the all-to-all).
+    `sums_first`: the loss has a term over whole-batch statistics, which under
+    microbatches the runtime adds up in one more forward of every microbatch, without
+    autograd, before the step (runtime/whole_batch.py): through the stages in turn, each
+    rank's microbatches one after another.
     """
     cache = {} if cache is None else cache
     if "links" not in cache:
@@ -573,6 +578,10 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
     idle = bubble(layout, stages.sums[loads.index(slowest)])
     scheduled = (m + idle) * slowest
     compute = scheduled / shared_speedup(cluster.device.alone_speedup, m, idle)
+    if sums_first and m > 1:
+        forwards = [rank.forward for rank in stages.sums]
+        fill = (mesh.pp - 1) * max(forwards) / layout.virtual_stages
+        compute += m * max(forwards) + fill
     p2p = _p2p(cluster, layout, stages, times, m, cache, every)
     limit = gather_min_mb(cluster, layout) * 2**20 if layout.recompute != "full" else 0.0
     held = _held(profile, stages, shape, cache, limit, graph_dtype_bytes)
