@@ -216,18 +216,26 @@ def test_tensor_parallelism_slices_every_expert_where_its_ranks_share_the_tokens
 
 
 def test_expert_slices_are_what_the_planner_counts():
-    """A dry run of rank 1's program under ep=2 and under tp=2 without sp (the experts
-    split): every parameter's shape is its ShardSpec's and the elements are the
-    planner's count. (Its collectives check does not know the MoE op's own exchanges:
-    not compared here.)"""
+    """A dry run of rank 1's program under ep=2, under tp=2 without sp (the experts
+    split) and under dp=2 (whole): every parameter's shape is its ShardSpec's, the
+    elements are the planner's count, and the MoE layers exchange (a `moe_experts`
+    collective each) exactly where ep or tp splits their experts."""
     from autohybrid.runtime.dry_run import dry_run
     model = ah.models.preset("moe-tiny", device="meta")
     (ids,), targets = ah.models.example_batch("moe-tiny", 4, device="meta")
-    for pinned in (dict(dp=2, ep=2, tp=1), dict(dp=1, tp=2, sp=False)):
+    for pinned, exchanging in ((dict(dp=2, ep=2, tp=1), True), (dict(dp=1, tp=2, sp=False),
+                                                                 True),
+                               (dict(dp=2, ep=1, tp=1), False)):
         report = dry_run(model, ah.Cluster.local(2), (ids,), moe_loss, (targets,), rank=1,
                          constraints=ah.Constraints(**pinned, pp=1, zero=0,
                                                     recompute="none", num_microbatches=1))
         assert report.bytes_match and not report.shape_mismatches, report.summary()
+        moe = report.collectives.get("moe_experts", 0)
+        assert moe == report.expected_collectives.get("moe_experts", 0), report.summary()
+        assert (moe > 0) is exchanging, report.summary()
+        # (under tp the loss's cross-entropy over (batch, classes, seq) logits gathers
+        # them where the planner prices a vocabulary-parallel loss: not the experts')
+        assert report.collectives_match or pinned["tp"] > 1, report.summary()
 
 
 def test_expert_tensor_parallelism_is_priced_as_it_runs(monkeypatch):

@@ -43,7 +43,7 @@ from ..graph import AH_PARAM, AH_ROLE, MODULE_STACK, VIEW_OPS, op_name, output_n
 
 #: autohybrid ops that compute only (generated fused kernels): counted apart from
 #: the collectives
-COMPUTE_ONLY = frozenset({"fused_region"})
+COMPUTE_ONLY = frozenset({"fused_region", "term_weight"})
 #: pipeline-stage colors (fill, stroke), cycled; shared with svg.py so both agree
 STAGE_COLORS = (("#dbeafe", "#2563eb"), ("#dcfce7", "#16a34a"), ("#fef3c7", "#d97706"),
                 ("#fce7f3", "#db2777"), ("#ede9fe", "#7c3aed"), ("#cffafe", "#0891b2"),

@@ -22,7 +22,10 @@ keeps the program of its own plan's trial. It then checks that program against t
   vocabulary-parallel embedding, a `vocab_parallel_embedding` per split embedding, a
   `vocab_parallel_cross_entropy` per class loss on split logits, a `tp_gather` per
   all-gather the planner prices (none for Megatron layouts), a `tp_replicated` per key /
-  value parameter replicated over tp (grouped-query attention with tp > KV heads).
+  value parameter replicated over tp (grouped-query attention with tp > KV heads), a
+  `moe_experts` per MoE layer whose experts ep or tp splits (its all-to-alls or
+  all-reduces; whole experts only compute). A whole-batch loss term's `batch_sum` over
+  dp is not the tp layout's and is not counted.
 
 Pipeline parallelism has no pass yet, so plans with pp > 1 are refused; plans with
 sequence parallelism are refused too, as the collective counts checked here are those of
@@ -56,7 +59,7 @@ from ..capture import CapturedGraph, as_tuple, capture
 from ..cluster import Cluster
 from ..cost.memory import dtype_bytes, training_state
 from ..errors import AutohybridError, NoPlanFitsError, NotExecutableError, PlanError
-from ..graph import AH_PARAM, AH_ROLE, VAL, op_name
+from ..graph import AH_PARAM, AH_ROLE, VAL, op_name, schema_args
 from ..passes.fusion import inline_where_eager
 from ..plan import Constraints, Plan
 from ..planning import make_plan
@@ -80,8 +83,12 @@ STANDS_FOR = {"cm_gather_linear": "sp_gather", "cm_linear_reduce_scatter": "sp_r
                                              "sp_reduce_scatter")}}
 SPLIT_STARTS = {f"{op}_start" for op in ("tp_reduce", "tp_gather", "sp_gather",
                                          "sp_reduce_scatter")}
-#: autohybrid ops that only compute (passes/fusion.py's generated kernels): not counted
-COMPUTE_ONLY = {"fused_region"}
+#: autohybrid ops that only compute (passes/fusion.py's generated kernels, the weight of
+#: a whole-batch loss term): not counted
+COMPUTE_ONLY = {"fused_region", "term_weight"}
+#: collectives over dp, which the planner's tp layout does not list (a whole-batch loss
+#: term's sums: passes/batch_stats.py): not counted
+DP_ONLY = {"batch_sum"}
 
 
 @dataclass
@@ -254,7 +261,9 @@ def _check(train: CapturedGraph, program: RankProgram, profile: ModelProfile, no
         for node in sub.graph.nodes:
             if node.op == "call_function" and op_name(node).startswith("autohybrid."):
                 name = op_name(node).split(".")[1]
-                if name not in SPLIT_STARTS and name not in COMPUTE_ONLY:
+                if name == "moe_experts" and not moe_exchanges(node):
+                    continue   # experts whole on every rank: compute only
+                if name not in SPLIT_STARTS | COMPUTE_ONLY | DP_ONLY:
                     counts[STANDS_FOR.get(name, name)] += 1
     biggest = lambda shapes: max(shapes.items(), key=lambda kv: (math.prod(kv[1]), kv[0]))
     return DryRunReport(
@@ -264,21 +273,37 @@ def _check(train: CapturedGraph, program: RankProgram, profile: ModelProfile, no
         predicted_memory_params=plan.predicted.memory.params,
         expected_memory_params=expected_memory,
         collectives=dict(counts),
-        expected_collectives=expected_collectives(train.gm, profile.layout, plan.mesh.tp,
-                                                  profile.kv_heads),
+        expected_collectives=expected_collectives(
+            train.gm, profile.layout, plan.mesh.tp, profile.kv_heads,
+            moe_layers(train.gm) if mesh.ep > 1 or profile.expert_tp(mesh.tp, mesh.sp,
+                                                                     mesh.ep) else 0),
         shape_mismatches=mismatches, largest_param=biggest(local),
         largest_full_param=biggest(full), timings=timings, program=program,
         local_shapes=local)
 
 
+def moe_exchanges(node: fx.Node) -> bool:
+    """Whether a `moe_experts` node communicates: its experts split over ep (all-to-all)
+    or over tp (all-reduce: expert tensor parallelism)."""
+    kw = schema_args(node)
+    return bool(kw.get("axis")) or bool(kw.get("tp_axis"))
+
+
+def moe_layers(gm: fx.GraphModule) -> int:
+    return sum(1 for n in gm.graph.nodes
+               if n.op == "call_function" and op_name(n) == "autohybrid.moe_experts.default")
+
+
 def expected_collectives(gm: fx.GraphModule, layout: TensorParallelLayout, tp: int,
-                         kv_heads: int | None = None) -> dict[str, int]:
+                         kv_heads: int | None = None, moe: int = 0) -> dict[str, int]:
     """The autohybrid ops rank programs should hold for the planner's tp `layout` of the
-    captured graph `gm` (see the module docstring); empty when tp is 1."""
+    captured graph `gm` (see the module docstring), and `moe` MoE layers whose experts
+    exchange tokens or sums (ep, expert tensor parallelism); empty when tp is 1 and
+    `moe` is 0."""
+    out: Counter = Counter({"moe_experts": moe})
     if tp == 1:
-        return {}
+        return {k: v for k, v in out.items() if v}
     nodes = {n.name: n for n in gm.graph.nodes}
-    out: Counter = Counter()
     inputs = {linear_parts(nodes[name]).x for name, role in layout.linear_roles.items()
               if role == "column"}
     out["tp_copy"] = len(inputs)
