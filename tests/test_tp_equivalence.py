@@ -83,23 +83,31 @@ def test_zoo_tp_and_dp_x_tp_match_eager(world, tp, sp, turn):
 # ============================================================================ vocabulary
 def _vocab_rank(rank: int, world: int) -> list[str]:
     """Vocabulary 97 over 2 and 4 ranks (padded to 98 / 100), tied and untied head,
-    label smoothing and ignored tokens in the loss."""
+    label smoothing and ignored tokens in the loss; the loss over (batch, classes, seq)
+    logits per token, vocabulary-parallel too."""
     fails = Failures()
     batches = [(x, y.masked_fill(y % 5 == 0, -100)) for x, y in zoo_batches("gpt-tiny", 8)]
 
     def loss(logits, targets):
         return lm_loss(logits, targets, label_smoothing=0.1)
 
-    for tie in (True, False):
+    def per_token(logits, targets):   # classes on dim 1 of 3-D logits, as moe_loss has them
+        return F.cross_entropy(logits.transpose(1, 2), targets, reduction="none",
+                               label_smoothing=0.1).mean()
+
+    for tie, loss_fn in ((True, loss), (False, loss), (False, per_token)):
         torch.manual_seed(1)
         model = ah.models.gpt(layers=2, hidden=32, heads=4, vocab=97, seq=16,
                               tie_embeddings=tie).double()
-        case = f"vocab 97 tie={tie} tp{world}"
-        compiled, _ = train_and_compare(fails, case, model, batches, world, loss_fn=loss,
+        case = f"vocab 97 tie={tie} {loss_fn.__name__} tp{world}"
+        compiled, _ = train_and_compare(fails, case, model, batches, world, loss_fn=loss_fn,
                                         optimizer=OPTIMIZERS["adamw"], constraints=_pinned(world))
         spec = compiled.programs["train"].param_shards["tok_emb.weight"]
         fails.check(f"{case}: vocabulary not padded: {spec}",
                     spec.padded == -(-97 // world) * world and spec.size == 97)
+        ops = {op_name(n) for n in compiled.programs["train"].runnable.gm.graph.nodes}
+        fails.check(f"{case}: the loss is not vocabulary-parallel",
+                    "autohybrid.vocab_parallel_cross_entropy.default" in ops)
     return fails
 
 

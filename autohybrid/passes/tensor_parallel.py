@@ -404,14 +404,16 @@ class _Rewriter:
         kw = schema_args(node)
         logits, target = kw["self"], kw["target"]
         dim = self.sharded(logits)
+        nd = logits.meta[VAL].dim()
         needs_whole = (kw.get("weight") is not None or target.meta[VAL].is_floating_point()
-                       or dim != logits.meta[VAL].dim() - 1 or logits.meta[VAL].dim() != 2)
-        if needs_whole:  # class weights, probabilities, class dim not last: join the logits
+                       or nd < 2 or dim != 1)
+        if needs_whole:  # class weights, probabilities, split off the class dim: join them
             self._gather_inputs(node)
             self.fake(node)
             return
-        size = self.padded.get(logits, (dim, None))[1] or int(logits.meta[VAL].shape[dim]) * self.tp
-        start = self.rank * int(logits.meta[VAL].shape[dim])
+        local = int(logits.meta[VAL].shape[dim])
+        size = self.padded.get(logits, (dim, None))[1] or local * self.tp
+        start = self.rank * local
         smoothing = float(kw.get("label_smoothing", 0.0) or 0.0)
         reduction = kw.get("reduction", 1)
         ignore = kw.get("ignore_index", -100)
@@ -420,9 +422,18 @@ class _Rewriter:
             if logits.meta[VAL].dtype != wanted:  # under autocast the loss runs in fp32
                 logits = self.call(aten._to_copy.default, (logits,), {"dtype": wanted},
                                    like=node)
+            rows = target
+            if nd > 2:   # (N, C, d1, ...) logits, (N, d1, ...) targets: rows of C classes
+                shape = self._shape_args(target)
+                logits = self.call(aten.permute.default,
+                                   (logits, [0, *range(2, nd), 1]), like=node)
+                logits = self.call(aten.reshape.default, (logits, [-1, local]), like=node)
+                rows = self.call(aten.reshape.default, (target, [-1]), like=node)
             both = self.call(ah_ops.vocab_parallel_cross_entropy.default,
-                             (logits, target, start, size, ignore, smoothing, AXIS), like=node)
+                             (logits, rows, start, size, ignore, smoothing, AXIS), like=node)
             loss = self.call(operator.getitem, (both, 0), like=node)
+            if reduction == 0 and nd > 2:   # per element, in the targets' shape
+                loss = self.call(aten.reshape.default, (loss, shape), like=node)
             if reduction in (1, 2):
                 loss = self.call(aten.sum.default, (loss,), like=node)
             if reduction == 1:
@@ -432,6 +443,12 @@ class _Rewriter:
                 loss = self.call(aten.div.Tensor, (loss, count), like=node)
         node.replace_all_uses_with(loss)
         self.graph.erase_node(node)
+
+    def _shape_args(self, x: fx.Node) -> list:
+        """`x`'s shape as graph arguments (symbolic sizes read from `x` by sym_size nodes
+        inserted at the current point, static ones as numbers)."""
+        return [self.call(aten.sym_size.int, (x, i)) if isinstance(size, torch.SymInt)
+                else int(size) for i, size in enumerate(x.meta[VAL].shape)]
 
     def _full_shape(self, x: fx.Node, before: fx.Node) -> list:
         """The full shape of split value `x` as graph arguments (sizes of symbolic dims

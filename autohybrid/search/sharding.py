@@ -655,7 +655,8 @@ def propagate_layout(gm: fx.GraphModule, choices: dict[str, str],
             continue
         if name in _CLASS_LOSSES and not layout.blocks.get(node.args[0].name):
             place[node.name] = R  # vocabulary-parallel loss: per-token max, sum, target logit
-            tokens = sympy.Mul(*[sym_expr(s) for s in _val(node.args[0]).shape[:-1]])
+            shape = list(_val(node.args[0]).shape)   # (N, C, d1, ...): classes on dim 1
+            tokens = sympy.Mul(*[sym_expr(s) for s in shape[:1] + shape[2:]])
             layout.collectives.append(Collective(node.name, "all_reduce", "forward",
                                                  3 * tokens * 4))
             _mark_vocab_head(layout, node.args[0])
