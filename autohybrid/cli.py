@@ -336,6 +336,18 @@ def _write_files(args: argparse.Namespace, plan, measured=None, bench=None,
         print("wrote " + ", ".join(map(str, written)), file=sys.stderr)
 
 
+def _shard_json(spec) -> dict[str, Any]:
+    """A ShardSpec as `inspect` shows it (its inner split, expert tensor parallelism under
+    ep, as "then")."""
+    out = {"dim": spec.dim, "size": spec.size, "shard": spec.index, "of": spec.ways,
+           "local_size": spec.shard_size}
+    if spec.axis != "tp" or spec.inner is not None:
+        out["axis"] = spec.axis
+    if spec.inner is not None:
+        out["then"] = _shard_json(spec.inner)
+    return out
+
+
 def inspect_data(plan, rank: int, show_pass: str | None = None) -> tuple[dict[str, Any], Any]:
     """What `inspect` shows, as JSON-able data, and the rank's program."""
     from .report.program import rank_program
@@ -350,9 +362,7 @@ def inspect_data(plan, rank: int, show_pass: str | None = None) -> tuple[dict[st
                          if mesh.coords(r)[0] == stage_ranks[i]]}
               for i in range(plan.num_stages)] if mesh.pp > 1 else []
     mine = program.params()
-    shards = {name: {"dim": spec.dim, "size": spec.size, "shard": spec.index,
-                     "of": spec.ways, "local_size": spec.shard_size}
-              for name, spec in sorted(program.param_shards.items())
+    shards = {name: _shard_json(spec) for name, spec in sorted(program.param_shards.items())
               if name in mine}
     passes = []
     previous = {"train": program.captured.gm}
@@ -448,8 +458,13 @@ def _print_inspect(plan, data: dict[str, Any], console) -> None:
         for column in ("parameter", "dim", "full", "shard", "local"):
             shards.add_column(column)
         for name, sh in data["shards"].items():
-            shards.add_row(name, str(sh["dim"]), str(sh["size"]), f"{sh['shard']}/{sh['of']}",
-                           str(sh["local_size"]))
+            cuts = [sh] + ([sh["then"]] if "then" in sh else [])
+            shards.add_row(name, *(" then ".join(str(c[k]) for c in cuts)
+                                   for k in ("dim", "size")),
+                           " then ".join(f"{c['shard']}/{c['of']} {c.get('axis', 'tp')}"
+                                         if len(cuts) > 1 or "axis" in c
+                                         else f"{c['shard']}/{c['of']}" for c in cuts),
+                           " then ".join(str(c["local_size"]) for c in cuts))
         console.print(shards)
     passes = Table(title=f"rank {data['rank']}'s graph after each pass "
                          f"(captured: {data['captured_nodes']} nodes)", title_justify="left")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -32,6 +32,10 @@ class ShardSpec:
     apart unevenly, e.g. grouped-query q | k | v slices); each equal block is padded to
     `padded` / `chunks` and every block is split into `ways` equal shards; this rank holds
     shard `index` of every block, concatenated.
+
+    `inner`: a second split of that shard along another dim over another axis (expert
+    tensor parallelism inside expert parallelism: tp cuts each ep rank's experts), whose
+    `size` is the dim's size in the shard; None: the shard is this rank's tensor.
     """
 
     dim: int
@@ -42,10 +46,29 @@ class ShardSpec:
     index: int
     blocks: tuple[int, ...] = ()
     axis: str = "tp"
+    inner: "ShardSpec | None" = None
+
+    def __post_init__(self) -> None:
+        if self.inner is not None and (self.inner.dim == self.dim
+                                       or self.inner.axis == self.axis):
+            raise ValueError(f"a nested ShardSpec splits another dim over another axis; got "
+                             f"dim {self.dim} / {self.inner.dim}, axis {self.axis!r} / "
+                             f"{self.inner.axis!r}")
 
     @property
     def shard_size(self) -> int:
+        """The size of `dim` in this rank's shard (before `inner`)."""
         return self.padded // self.ways
+
+    def local_shape(self, whole: Sequence[int]) -> tuple[int, ...]:
+        """This rank's tensor's shape for a parameter of shape `whole`."""
+        shape = list(whole)
+        shape[self.dim] = self.shard_size
+        return self.inner.local_shape(shape) if self.inner is not None else tuple(shape)
+
+    def axes(self) -> tuple[str, ...]:
+        """The mesh axes this rank's tensor is cut over, outermost first."""
+        return (self.axis, *(self.inner.axes() if self.inner is not None else ()))
 
     def block_sizes(self) -> tuple[tuple[int, int], ...]:
         """(full size, padded size) of each block."""
@@ -60,7 +83,12 @@ class ShardSpec:
     def local_from(self, read, ndim: int) -> torch.Tensor:
         """This rank's shard from `read(index)`, which returns `full[index]` for a tuple
         of slices: only the rows (or columns) this rank holds are read (sharded
-        materialization reads them from the seeded initialization, autohybrid/init.py)."""
+        materialization reads them from the seeded initialization, autohybrid/init.py);
+        `inner` then cuts that shard."""
+        out = self._outer_from(read, ndim)
+        return self.inner.local(out) if self.inner is not None else out
+
+    def _outer_from(self, read, ndim: int) -> torch.Tensor:
         out, offset = [], 0
         for block, padded in self.block_sizes():  # this rank's piece of each block
             width = padded // self.ways
@@ -79,7 +107,8 @@ class ShardSpec:
         return torch.cat(out, self.dim).clone()
 
     def gather(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        """The full parameter from every shard index's tensor, in index order."""
+        """The full parameter from every shard index's tensor, in index order (each the
+        shard before `inner`: runtime/tp_state.py gathers the inner shards first)."""
         sizes = self.block_sizes()
         widths = [padded // self.ways for _, padded in sizes]
         per_chunk = [s.split(widths, self.dim) for s in shards]

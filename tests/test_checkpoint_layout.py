@@ -76,6 +76,36 @@ def test_tp_shards_alone_and_under_zero(shape, dim, tp, dp):
         _cover(whole, parts)
 
 
+@pytest.mark.parametrize("ep,tp,dp", [(2, 2, 1), (2, 2, 3), (4, 2, 2), (2, 4, 1)])
+def test_expert_slices_cut_again_by_tp_alone_and_under_zero(ep, tp, dp):
+    """Expert tensor parallelism under ep: each ep rank's experts (dim 0) cut over tp
+    along the intermediate size — gate_up's two blocks of dim 1, down's dim 2. The
+    shards' shapes, their gathering back (inner axis first), and the boxes."""
+    experts, inter, hidden = 4, 8, 3
+    for dim, shape, chunks in ((1, (experts, 2 * inter, hidden), 2),
+                               (2, (experts, hidden, inter), 1)):
+        whole = torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape)
+        specs = [[ShardSpec(0, experts, experts, 1, ep, e, axis="ep",
+                            inner=ShardSpec(dim, shape[dim], shape[dim], chunks, tp, t))
+                  for t in range(tp)] for e in range(ep)]
+        parts, outer_shards = [], []
+        for row in specs:
+            locals_ = [spec.local(whole) for spec in row]
+            assert all(tuple(x.shape) == row[0].local_shape(shape) for x in locals_)
+            assert locals_[0].shape[0] == experts // ep \
+                and locals_[0].shape[dim] == shape[dim] // tp
+            outer_shards.append(row[0].inner.gather(locals_))   # over tp: the ep slice
+            for spec, local in zip(row, locals_):
+                for r in range(dp):
+                    flat = zero_range(local.numel(), dp, r) if dp > 1 else None
+                    held = shard_of(local, dp, r) if dp > 1 else local
+                    parts.append((held, boxes(shape, local.shape, spec, flat)))
+        torch.testing.assert_close(specs[0][0].gather(outer_shards), whole, rtol=0, atol=0)
+        _cover(whole, parts)
+    with pytest.raises(ValueError, match="another dim over another axis"):
+        ShardSpec(0, 4, 4, 1, 2, 0, axis="ep", inner=ShardSpec(0, 2, 2, 1, 2, 0))
+
+
 def test_views_write_through_to_the_shard():
     shape = (6, 5)
     spec = ShardSpec(dim=0, size=6, padded=8, chunks=1, ways=2, index=1)  # rows 4..5 + pad

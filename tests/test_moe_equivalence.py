@@ -67,8 +67,8 @@ def _rank(rank: int, world: int, cases: list[tuple]) -> Failures:
                                         max_grad_norm=clip)
         ep, mesh = pinned.get("ep", 1), compiled.plan.mesh
         fails.check(f"{name}: mesh {mesh}", mesh.ep == ep)
-        if mesh.tp > 1 and not mesh.sp and ep == 1:   # expert tensor parallelism
-            sliced = _expert_slices(compiled, "tp")
+        if mesh.tp > 1 and not mesh.sp:   # expert tensor parallelism (under ep too)
+            sliced = {n: p for n, p in compiled.sharded.local.items() if "expert" in n}
             inter = model.blocks[0].mlp.experts.down_proj.shape[-1]
             fails.check(f"{name}: experts' tp slices {[tuple(p.shape) for p in sliced.values()]}",
                         len(sliced) == 4 and all(
@@ -132,26 +132,38 @@ def test_four_ranks():
              (dict(pp=2, dp=2, ep=2, num_microbatches=2), "sgd", None, CAPACITY),
              (dict(dp=2, ep=2, tp=2), "sgd", None, CAPACITY),
              (dict(dp=2, tp=2, sp=False, ep=1, zero=1), "adamw"),
+             # ep's expert slices cut again over tp (expert tensor parallelism under ep)
+             (dict(dp=2, ep=2, tp=2, sp=False, zero=1), "adamw"),
+             (dict(dp=2, ep=2, tp=2, sp=False), "sgd", 0.05),   # the norm over both axes
              (dict(tp=4, sp=False), "sgd", None, CAPACITY)])
 
 
-def _checkpoint_rank(rank: int, directory: str) -> list[str]:
+#: the plans of the checkpoint test per world size, and the moves between them
+CHECKPOINT_PLANS = {
+    2: ({"ep2": dict(dp=2, ep=2), "dp2": dict(dp=2, ep=1), "etp2": dict(dp=1, tp=2, sp=False)},
+        (("ep2", "dp2"), ("dp2", "ep2"), ("ep2", "etp2"), ("etp2", "ep2"))),
+    4: ({"ep2etp2": dict(dp=2, ep=2, tp=2, sp=False, zero=1), "dp4": dict(dp=4, ep=1)},
+        (("ep2etp2", "dp4"), ("dp4", "ep2etp2")))}
+
+
+def _checkpoint_rank(rank: int, directory: str, world: int) -> list[str]:
     """Train a step under one plan, save; load into another: both must then take the same
     next step (AdamW: its state travels too). Between ep=2 and dp-only, both ways, and
-    between ep=2 and tp=2 without sp (every expert split along its intermediate size)."""
+    between ep=2 and tp=2 without sp (every expert split along its intermediate size); on
+    4 ranks between ep=2 × tp=2 without sp (ep's slices cut again over tp, ZeRO-1) and
+    dp=4."""
     batches = zoo_batches("moe-tiny", 8, steps=2)
-    plans = {"ep2": dict(dp=2, ep=2), "dp2": dict(dp=2, ep=1),
-             "etp2": dict(dp=1, tp=2, sp=False)}
+    plans, moves = CHECKPOINT_PLANS[world]
     compiled = {}
     for seed, (name, pinned) in enumerate(plans.items()):
         torch.manual_seed(seed)      # different starting weights: the load must replace them
         model = ah.models.preset("moe-tiny").double()
-        compiled[name] = ah.compile(model, ah.Cluster.local(2), batches[0][0],
+        compiled[name] = ah.compile(model, ah.Cluster.local(world), batches[0][0],
                                     loss_fn=zoo_loss, example_targets=batches[0][1],
                                     optimizer=OPTIMIZERS["adamw"],
                                     constraints=ah.Constraints(**pinned))
     problems = []
-    for source, target in (("ep2", "dp2"), ("dp2", "ep2"), ("ep2", "etp2"), ("etp2", "ep2")):
+    for source, target in moves:
         compiled[source].train_step(*batches[0])
         path = f"{directory}/from_{source}_to_{target}"
         compiled[source].save(path)
@@ -160,8 +172,8 @@ def _checkpoint_rank(rank: int, directory: str) -> list[str]:
         states = [compiled[e].full_state_dict() for e in (source, target)]
         # tp sums in another order: float64 roundings, which AdamW's second step
         # magnifies (1e-11 here); dp and ep sum alike, to the last bit
-        tol = dict(rtol=1e-7, atol=1e-7) if "etp2" in (source, target) else \
-            dict(rtol=1e-12, atol=1e-14)
+        tol = dict(rtol=1e-7, atol=1e-7) if any("etp2" in e for e in (source, target)) \
+            else dict(rtol=1e-12, atol=1e-14)
         if not math.isclose(*losses, rel_tol=tol["rtol"]):
             problems.append(f"{source} -> {target}: next losses {losses}")
         problems += [f"{source} -> {target}: {k} differs after the next step by "
@@ -172,9 +184,11 @@ def _checkpoint_rank(rank: int, directory: str) -> list[str]:
 
 @pytest.mark.procs
 @pytest.mark.timeout(300)
-def test_checkpoints_move_between_expert_parallel_and_data_parallel_plans(tmp_path):
-    results = pool_launch(_checkpoint_rank, 2, args=(str(tmp_path),), timeout_s=guard(200))
-    assert results == [[], []], results
+@pytest.mark.parametrize("world", [2, 4])
+def test_checkpoints_move_between_expert_parallel_and_data_parallel_plans(tmp_path, world):
+    results = pool_launch(_checkpoint_rank, world, args=(str(tmp_path), world),
+                          timeout_s=guard(200))
+    assert results == [[]] * world, results
 
 
 def _hf_rank(rank: int, world: int, cases: list[tuple[str, dict, str]]) -> Failures:
@@ -198,6 +212,10 @@ def _hf_rank(rank: int, world: int, cases: list[tuple[str, dict, str]]) -> Failu
         fails.check(f"{what}: experts not split over {axis} ({compiled.plan.mesh})",
                     compiled.plan.mesh.ep == pinned.get("ep", 1)
                     and bool(_expert_slices(compiled, axis)))
+        if axis == "ep" and pinned.get("tp", 1) > 1 and pinned.get("sp") is False:
+            fails.check(f"{what}: ep's expert slices not cut again over tp",
+                        all(compiled.sharded.specs[n].inner is not None
+                            for n in _expert_slices(compiled, "ep")))
         compare_training(fails, what, compiled, ref, OPTIMIZERS[optimizer](
             list(ref.parameters())), case.batches[:2], case.eager_loss)
     return fails
@@ -211,6 +229,7 @@ def _hf_rank(rank: int, world: int, cases: list[tuple[str, dict, str]]) -> Failu
     (2, [("mixtral", dict(dp=2, ep=2), "sgd"), ("qwen2_moe", dict(dp=2, ep=2, zero=1), "sgd")]),
     (4, [("mixtral", dict(dp=4, ep=4), "sgd"), ("qwen2_moe", dict(dp=2, ep=2, tp=2), "sgd"),
          ("qwen2_moe", dict(dp=4, ep=2), "sgd"), ("mixtral", dict(dp=2, tp=2, sp=False, ep=1), "sgd"),
+         ("mixtral", dict(dp=2, tp=2, sp=False, ep=2), "sgd"),
          ("mixtral", dict(pp=2, dp=2, ep=2, num_microbatches=2), "sgd")]),
 ], ids=["2-ranks", "4-ranks"])
 def test_hugging_face_moe_under_expert_parallelism(world, cases):

@@ -178,6 +178,33 @@ def test_expert_parallel_pass_slices_the_experts_and_names_the_axis():
         assert n.args[4].meta["val"].shape == (2, 32, 24)
 
 
+def test_under_ep_tensor_parallelism_slices_each_ranks_experts_again():
+    """dp=2 × tp=2, ep=2, no sp: rank 3 (dp 1, tp 1) holds experts 2..3, of each the
+    second half of the intermediate size; the op exchanges over ep and all-reduces over
+    tp."""
+    from autohybrid.passes.expert_parallel import expert_parallel
+    model = _tiny()
+    (ids,), targets = ah.models.example_batch("moe-tiny", 4)
+    cap = capture(model, (ids,), moe_loss, targets)
+    ctx = _ep_context(cap, dp=2, ep=2, rank=3, tp=2)
+    assert ctx.coords == (0, 1, 1)
+    gm = expert_parallel(copy.deepcopy(cap.gm), ctx)
+    assert [(n.args[7], n.args[9]) for n in _op_nodes(gm)] == [("ep", "tp")] * 2
+    specs = ctx.notes["param_shards"]
+    assert {(s.axis, s.index, s.inner.axis, s.inner.dim, s.inner.index)
+            for s in specs.values()} == {("ep", 1, "tp", 1, 1), ("ep", 1, "tp", 2, 1)}
+    full = dict(model.named_parameters())["blocks.0.mlp.experts.gate_up_proj"].detach()
+    local = specs["blocks.0.mlp.experts.gate_up_proj"].local(full)
+    assert torch.equal(local, torch.cat([full[2:, 12:24], full[2:, 36:48]], 1))
+    for n in _op_nodes(gm):
+        assert n.args[3].meta["val"].shape == (2, 24, 32)
+        assert n.args[4].meta["val"].shape == (2, 32, 12)
+    # under sp the tp ranks hold other tokens: each ep rank's experts stay whole over tp
+    whole = _ep_context(cap, dp=2, ep=2, rank=3, tp=2, sp=True)
+    expert_parallel(copy.deepcopy(cap.gm), whole)
+    assert all(s.inner is None for s in whole.notes["param_shards"].values())
+
+
 def test_tensor_parallelism_slices_every_expert_where_its_ranks_share_the_tokens():
     """tp=2 without sp: tp rank 1 holds the second half of every expert's gate rows, of
     its up rows and of its down columns, and the op all-reduces over tp. Under sp (each
@@ -217,7 +244,7 @@ def test_tensor_parallelism_slices_every_expert_where_its_ranks_share_the_tokens
 
 def test_expert_slices_are_what_the_planner_counts():
     """A dry run of rank 1's program under ep=2, under tp=2 without sp (the experts
-    split) and under dp=2 (whole): every parameter's shape is its ShardSpec's, the
+    split), both (ep's slices split again over tp) and under dp=2 (whole): every parameter's shape is its ShardSpec's, the
     elements are the planner's count, and the MoE layers exchange (a `moe_experts`
     collective each) exactly where ep or tp splits their experts; under tp the loss's
     cross-entropy over (batch, classes, seq) logits is vocabulary-parallel, as priced."""
@@ -226,8 +253,10 @@ def test_expert_slices_are_what_the_planner_counts():
     (ids,), targets = ah.models.example_batch("moe-tiny", 4, device="meta")
     for pinned, exchanging in ((dict(dp=2, ep=2, tp=1), True), (dict(dp=1, tp=2, sp=False),
                                                                  True),
-                               (dict(dp=2, ep=1, tp=1), False)):
-        report = dry_run(model, ah.Cluster.local(2), (ids,), moe_loss, (targets,), rank=1,
+                               (dict(dp=2, ep=1, tp=1), False),
+                               (dict(dp=2, ep=2, tp=2, sp=False), True)):
+        world = pinned["dp"] * pinned["tp"]
+        report = dry_run(model, ah.Cluster.local(world), (ids,), moe_loss, (targets,), rank=1,
                          constraints=ah.Constraints(**pinned, pp=1, zero=0,
                                                     recompute="none", num_microbatches=1))
         assert report.bytes_match and not report.shape_mismatches, report.summary()

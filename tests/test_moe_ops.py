@@ -248,13 +248,12 @@ def test_tensor_parallel_experts_equal_the_whole_experts(world):
 
 
 def test_tensor_parallel_experts_is_decided_in_one_place():
-    """tp splits the experts where its ranks share the tokens (no sp) and no ep splits
-    them already, and tp divides every layer's intermediate size."""
-    assert moe.tensor_parallel_experts(2, False, 1, [8, 16])
-    assert not moe.tensor_parallel_experts(1, False, 1, [8])
-    assert not moe.tensor_parallel_experts(2, True, 1, [8])       # sp: own tokens per rank
-    assert not moe.tensor_parallel_experts(2, False, 2, [8])      # ep: slices stay whole
-    assert not moe.tensor_parallel_experts(4, False, 1, [8, 6])   # 4 does not divide 6
+    """tp splits the experts (under ep: each rank's) where its ranks share the tokens
+    (no sp), and tp divides every layer's intermediate size."""
+    assert moe.tensor_parallel_experts(2, False, [8, 16])
+    assert not moe.tensor_parallel_experts(1, False, [8])
+    assert not moe.tensor_parallel_experts(2, True, [8])       # sp: own tokens per rank
+    assert not moe.tensor_parallel_experts(4, False, [8, 6])   # 4 does not divide 6
     with pytest.raises(RuntimeFailure, match="intermediate size"):
         moe_experts(torch.randn(3, H), torch.zeros(3, 1, dtype=torch.long),
                     torch.ones(3, 1), torch.randn(2, 6, H), torch.randn(2, H, 4), 2,

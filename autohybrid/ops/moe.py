@@ -28,9 +28,9 @@ combine while chunk i+1's compute — forward and, for the gradients, backward. 
 of the axis runs the same number of chunks (some may be empty); the counts of every chunk
 travel in one all-to-all first.
 
-Expert tensor parallelism (`tp_axis` names a mesh axis; "" = none): every rank of it has
-the same tokens and routes and holds the same slice j of every expert's intermediate
-size — rows [j·I/tp, (j+1)·I/tp) of the gate and of the up projection (`gate_up` is
+Expert tensor parallelism (`tp_axis` names a mesh axis; "" = none; with `axis` or
+without): every rank of it has the same tokens and routes and holds the same slice j of
+every (local) expert's intermediate size — rows [j·I/tp, (j+1)·I/tp) of the gate and of the up projection (`gate_up` is
 (E, 2I/tp, H), its gate rows first) and those columns of `down` (E, H, I/tp). Each rank
 computes its slice's share of every expert output, and one all-reduce over the axis sums
 the combined tokens (Megatron's row-parallel second linear). Backward: the output's
@@ -67,13 +67,13 @@ from .partition import balanced_bounds
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 
 
-def tensor_parallel_experts(tp: int, sp: bool, ep: int, inter_sizes) -> bool:
+def tensor_parallel_experts(tp: int, sp: bool, inter_sizes) -> bool:
     """Whether tensor parallelism splits the MoE layers' experts (`tp_axis`): tp > 1
     without sequence parallelism (whose tp ranks hold different tokens: the experts stay
-    whole there, each rank computing its own tokens) or expert parallelism (its ep ranks'
-    expert slices stay whole over tp), and tp dividing every layer's intermediate size
-    (`inter_sizes`). The expert_parallel pass and the planner's pricing both ask this."""
-    return tp > 1 and not sp and ep == 1 and all(int(i) % tp == 0 for i in inter_sizes)
+    whole there, each rank computing its own tokens), and tp dividing every layer's
+    intermediate size (`inter_sizes`); under ep it splits each ep rank's experts. The
+    expert_parallel pass and the planner's pricing both ask this."""
+    return tp > 1 and not sp and all(int(i) % tp == 0 for i in inter_sizes)
 
 
 def _act(g: torch.Tensor, act: str) -> torch.Tensor:

@@ -16,18 +16,19 @@ naming the node, with a reason: a layer whose experts do not divide by ep, exper
 that are not parameters read by the op alone (a view, a weight shared with another op),
 and ZeRO-3 (passes/zero.py gathers every parameter over dp).
 
-Runs before tensor_parallel: the expert slices are replicated over tp, and tp's rules for
-replicated parameters (sequence parallelism sums their gradients over tp) then apply to
-the slices as to any replicated weight.
+Runs before tensor_parallel: under sequence parallelism the expert slices are replicated
+over tp, and tp's rules for replicated parameters (sequence parallelism sums their
+gradients over tp) then apply to the slices as to any replicated weight.
 
-Expert tensor parallelism: with tp > 1, ep = 1 and no sequence parallelism (the tp ranks
-then hold the same tokens; `ops.moe.tensor_parallel_experts` decides, for the pricing
-too), each tp rank holds slice j of every expert's intermediate size — the same rows of
-the gate and the up projections (`ShardSpec(dim=1, chunks=2, axis="tp")`) and those
-columns of `down` (dim 2) — and the op gets `tp_axis="tp"`: it all-reduces its output,
-and in backward the gradients of its tokens and router weights, over tp. Without it each
-tp rank would compute every expert whole, the same work tp times. Refused as for ep
-(naming the node) where the weights are not parameters the op alone reads.
+Expert tensor parallelism: with tp > 1 and no sequence parallelism (the tp ranks then
+hold the same tokens; `ops.moe.tensor_parallel_experts` decides, for the pricing too),
+each tp rank holds slice j of every (under ep: every local) expert's intermediate size —
+the same rows of the gate and the up projections (`ShardSpec(dim=1, chunks=2,
+axis="tp")`, under ep the `inner` split of the ep slice) and those columns of `down`
+(dim 2) — and the op gets `tp_axis="tp"`: it all-reduces its output, and in backward the
+gradients of its tokens and router weights, over tp. Without it each tp rank would
+compute every expert whole, the same work tp times. Refused as for ep (naming the node)
+where the weights are not parameters the op alone reads.
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def expert_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         raise PlanError(f"mesh.ep={mesh.ep}: the graph has no MoE layer "
                         "(autohybrid::moe_experts) whose experts expert parallelism could "
                         "split; pin ep=1")
-    tp_split = tensor_parallel_experts(mesh.tp, mesh.sp, mesh.ep, inter_sizes(nodes))
+    tp_split = tensor_parallel_experts(mesh.tp, mesh.sp, inter_sizes(nodes))
     if mesh.ep == 1 and not (tp_split and nodes):
         return gm
     if mesh.ep > 1 and ctx.plan.zero == 3:
@@ -91,15 +92,15 @@ def expert_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                                 f"{users[0].name!r}; {pin}")
             key = weight.meta.get(AH_PARAM, weight.name)
             full = weight.meta[VAL]
-            spec = (ShardSpec(0, experts, experts, 1, ep, index, axis=AXIS) if ep > 1
-                    else _tp_spec(name, full.shape, mesh.tp, ctx.coords[2]))
+            inner = _tp_spec(name, full.shape, mesh.tp, ctx.coords[2]) if tp_split else None
+            spec = (ShardSpec(0, experts, experts, 1, ep, index, axis=AXIS, inner=inner)
+                    if ep > 1 else inner)
             if specs.setdefault(key, spec) is spec:
-                shape = list(full.shape)
-                shape[spec.dim] = spec.shard_size
                 with mode:
-                    weight.meta[VAL] = torch.empty(shape, dtype=full.dtype, device=full.device)
+                    weight.meta[VAL] = torch.empty(spec.local_shape(full.shape),
+                                                   dtype=full.dtype, device=full.device)
         node.args = (*(kw[name] for name in _ARGS), AXIS if ep > 1 else "",
-                     ctx.plan.moe_chunks if ep > 1 else 1, TP_AXIS if ep == 1 else "")
+                     ctx.plan.moe_chunks if ep > 1 else 1, TP_AXIS if tp_split else "")
         node.kwargs = {}
     ctx.notes["param_shards"] = {**ctx.notes.get("param_shards", {}), **specs}
     gm.recompile()

@@ -74,10 +74,10 @@ def experts_text(plan: Plan) -> str:
     else:
         what = ("not split over ep (ep = 1): each rank computes every expert for its own "
                 "tokens, no all-to-all")
-        if plan.mesh.tp > 1 and not plan.mesh.sp:
-            what += (f"; the {plan.mesh.tp} tp ranks share their tokens, and each computes its "
-                     f"slice of every expert's intermediate size where tp divides it "
-                     f"(expert tensor parallelism)")
+    if plan.mesh.tp > 1 and not plan.mesh.sp:
+        what += (f"; the {plan.mesh.tp} tp ranks share their tokens, and each computes its "
+                 f"slice of every {'local ' if ep > 1 else ''}expert's intermediate size "
+                 f"where tp divides it (expert tensor parallelism)")
     other = next((a for a in plan.alternatives if a.constraints is not None
                   and ((a.constraints.ep or 1) > 1) != (ep > 1)), None)
     if other is None:

@@ -10,7 +10,8 @@ the whole tensor it holds and the view of the local tensor that holds each.
 A rank's local tensor is one of:
 - the whole tensor (a replicated parameter, buffer or optimizer state);
 - its tensor-parallel shard (`ShardSpec`, autohybrid/program.py): along `spec.dim`, a
-  piece of every block, each followed by zero padding the whole tensor does not have;
+  piece of every block, each followed by zero padding the whole tensor does not have
+  (and along `spec.inner.dim` the same again: expert tensor parallelism under ep);
 - its ZeRO flat shard (runtime/zero.py): elements [r·c, (r+1)·c) of the row-major
   flattening of the whole or tp-local tensor, zero-padded at the end.
 
@@ -23,6 +24,7 @@ list of boxes; the padding is in no box.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -38,13 +40,13 @@ Shape = tuple[int, ...]
 class Box:
     """A box of the whole tensor (`offsets`, `sizes`) and where the local tensor holds it:
     the contiguous span of `span` shape at flat element `flat_start` of the local tensor,
-    narrowed to (dim, start, length) when `narrow` is set."""
+    narrowed to each (dim, start, length) of `narrow`."""
 
     offsets: Shape
     sizes: Shape
     flat_start: int
     span: Shape
-    narrow: tuple[int, int, int] | None = None
+    narrow: tuple[tuple[int, int, int], ...] = ()
 
     def view(self, local: torch.Tensor) -> torch.Tensor:
         """The view of `local` that holds this box (writes through to `local`)."""
@@ -55,7 +57,9 @@ class Box:
                 raise ValueError("a sharded local tensor must be contiguous")
             v = local.view(-1)[self.flat_start: self.flat_start + math.prod(self.span)]
             v = v.view(self.span)
-        return v.narrow(*self.narrow) if self.narrow is not None else v
+        for dim, start, length in self.narrow:
+            v = v.narrow(dim, start, length)
+        return v
 
     @property
     def numel(self) -> int:
@@ -125,22 +129,24 @@ def boxes(whole: Shape, local: Shape, spec: ShardSpec | None = None,
         spans, flat_lo = flat_spans(local, lo, hi), lo
     out: list[Box] = []
     offset = flat_lo
+    cuts = []   # (dim, its pieces) of the spec and of its inner one (other dims)
+    while spec is not None:
+        cuts.append([(spec.dim, piece) for piece in tp_pieces(spec)])
+        spec = spec.inner
     for start, sizes in spans:
         where = offset - flat_lo
         offset += math.prod(sizes)
-        if spec is None:
-            out.append(Box(start, sizes, where, sizes))
-            continue
-        d = spec.dim
-        for local_start, whole_start, length in tp_pieces(spec):
-            a = max(start[d], local_start)
-            b = min(start[d] + sizes[d], local_start + length)
-            if a >= b:
-                continue
-            offsets = list(start)
-            offsets[d] = whole_start + (a - local_start)
-            cut = list(sizes)
-            cut[d] = b - a
-            narrow = None if (a, b) == (start[d], start[d] + sizes[d]) else (d, a - start[d], b - a)
-            out.append(Box(tuple(offsets), tuple(cut), where, sizes, narrow))
+        for combo in itertools.product(*cuts):   # one piece along each cut dim
+            offsets, cut, narrow = list(start), list(sizes), []
+            for d, (local_start, whole_start, length) in combo:
+                a = max(start[d], local_start)
+                b = min(start[d] + sizes[d], local_start + length)
+                if a >= b:
+                    break
+                offsets[d] = whole_start + (a - local_start)
+                cut[d] = b - a
+                if (a, b) != (start[d], start[d] + sizes[d]):
+                    narrow.append((d, a - start[d], b - a))
+            else:
+                out.append(Box(tuple(offsets), tuple(cut), where, sizes, tuple(narrow)))
     return [b for b in out if b.numel > 0 or not b.sizes]

@@ -240,18 +240,16 @@ def _check(train: CapturedGraph, program: RankProgram, profile: ModelProfile, no
     specs = program.param_shards
     mismatches = []
     for key, shape in full.items():
-        want = list(shape)
-        if key in specs:
-            want[specs[key].dim] = specs[key].shard_size
-        if local.get(key) != tuple(want):
-            mismatches.append(f"{key}: {local.get(key)} != {tuple(want)}")
+        want = specs[key].local_shape(shape) if key in specs else tuple(shape)
+        if local.get(key) != want:
+            mismatches.append(f"{key}: {local.get(key)} != {want}")
     elements = sum(math.prod(s) for s in local.values())
     graph_bytes = sum(math.prod(local[k]) * local_nodes[k].meta[VAL].element_size()
                       for k in local)
     width = dtype_bytes(plan.dtype)
     mesh = plan.mesh
     predicted = profile.local_params(profile.layers, mesh.tp, mesh.ep,
-                                     profile.expert_tp(mesh.tp, mesh.sp, mesh.ep))
+                                     profile.expert_tp(mesh.tp, mesh.sp))
     expected_memory = training_state(elements, plan.dtype, plan.optimizer, plan.zero,
                                      plan.mesh.dp).params
     counts = Counter()
@@ -275,8 +273,8 @@ def _check(train: CapturedGraph, program: RankProgram, profile: ModelProfile, no
         collectives=dict(counts),
         expected_collectives=expected_collectives(
             train.gm, profile.layout, plan.mesh.tp, profile.kv_heads,
-            moe_layers(train.gm) if mesh.ep > 1 or profile.expert_tp(mesh.tp, mesh.sp,
-                                                                     mesh.ep) else 0),
+            moe_layers(train.gm) if mesh.ep > 1 or profile.expert_tp(mesh.tp, mesh.sp)
+            else 0),
         shape_mismatches=mismatches, largest_param=biggest(local),
         largest_full_param=biggest(full), timings=timings, program=program,
         local_shapes=local)

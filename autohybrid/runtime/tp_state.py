@@ -3,7 +3,8 @@ gathering.
 
 The tensor_parallel and expert_parallel passes say how each split parameter is cut
 (`ShardSpec`, in `RankProgram.param_shards`, autohybrid/program.py), over which mesh axis
-(`ShardSpec.axis`: "tp", or "ep" for a MoE layer's experts). `ShardedParameters` makes
+(`ShardSpec.axis`: "tp", or "ep" for a MoE layer's experts; `ShardSpec.inner`: cut again
+over tp, expert tensor parallelism under ep). `ShardedParameters` makes
 this rank's shard of each one a new Parameter (the optimizer steps these), puts it in the
 program's state under the parameter's canonical name (tied parameters share the shard),
 and gathers shards back over the axis's group into full tensors for `full_state_dict`,
@@ -36,9 +37,7 @@ class ShardedParameters:
             if full.is_meta:
                 local = materialize(name, spec) if materialize is not None else None
                 if local is None:
-                    shape = list(full.shape)
-                    shape[spec.dim] = spec.shard_size
-                    local = full.new_empty(shape)
+                    local = full.new_empty(spec.local_shape(full.shape))
             else:
                 local = spec.local(full.detach())
             self.local[name] = nn.Parameter(local, requires_grad=full.requires_grad)
@@ -65,6 +64,11 @@ class ShardedParameters:
         """The whole parameter (or gradient) `name` from every rank's `local` shard."""
         spec = self.specs[name]
         local = local.detach().contiguous()
+        if spec.inner is not None:   # the inner axis's shards first: this rank's outer one
+            local = self._gather(spec.inner, local).contiguous()
+        return self._gather(spec, local)
+
+    def _gather(self, spec: ShardSpec, local: torch.Tensor) -> torch.Tensor:
         group, size = self.groups[spec.axis]
         if group is None or size == 1:
             return spec.gather([local])
@@ -116,19 +120,25 @@ class ShardedParameters:
         `weights[name]` (default 1)."""
         weights = weights or {}
         device = comm_device(next(iter(self.groups.values()))[0] if self.groups else None)
-        split = {axis: torch.zeros((), dtype=torch.float64, device=device)
-                 for axis in sorted(self.groups)}
+        # one sum per combination of axes a tensor is cut over (a nested spec: both)
+        keys = sorted({(axis,) for axis in self.groups}
+                      | {spec.axes() for spec in self.specs.values()})
+        split = {key: torch.zeros((), dtype=torch.float64, device=device) for key in keys}
         whole = torch.zeros((), dtype=torch.float64, device=device)
         for name, sq in squares.items():
             sq = sq * weights.get(name, 1.0)
             if name in self.specs:
-                spec = self.specs[name]
-                split[spec.axis] = split[spec.axis] + sq * spec.ways / self.groups[spec.axis][1]
+                spec = key = self.specs[name]
+                while spec is not None:   # (kv replicas counted once)
+                    sq = sq * spec.ways / self.groups[spec.axis][1]
+                    spec = spec.inner
+                split[key.axes()] = split[key.axes()] + sq
             else:
                 whole = whole + sq
-        for axis, part in split.items():   # every rank, in the same (sorted) order
-            group, size = self.groups[axis]
-            if group is not None and size > 1:
-                dist.all_reduce(part, group=group)
+        for key, part in split.items():   # every rank, in the same (sorted) order
+            for axis in key:
+                group, size = self.groups[axis]
+                if group is not None and size > 1:
+                    dist.all_reduce(part, group=group)
             whole = whole + part
         return whole

@@ -240,7 +240,8 @@ def layer_times(layer: LayerProfile, cluster, layout: Layout, seq: int | None,
         # each MoE layer's dispatch and combine, forward and backward, of its routed rows
         # over the ep ranks (tokens on sequence slices under sp), chunk by chunk beside
         # the experts' compute (full recomputation runs the forward's again)
-        experts = v["moe_flops"] * replicated_share / (peak * MATMUL_EFFICIENCY)
+        experts = v["moe_flops"] * replicated_share / (t if expert_tp else 1) \
+            / (peak * MATMUL_EFFICIENCY)
         moe_chunks, forward_s, backward_s = moe_exchange(
             cluster, axis_ranks(mesh, "ep"), v["moe_routed"] * replicated_share * scale,
             experts, layout.moe_chunks,
@@ -560,7 +561,7 @@ def price(profile: ModelProfile, cluster, layout: Layout, seq: int | None, dtype
                 cache[key] = layer_times(layer, cluster, layout, seq, dtype,
                                          graph_dtype_bytes, attention, tp_overlap,
                                          profile.kv_heads, profile.vocab, moe_load_skew,
-                                         profile.expert_tp(mesh.tp, mesh.sp, mesh.ep))
+                                         profile.expert_tp(mesh.tp, mesh.sp))
             times.append(cache[key])
         chunked = tuple((layer.name, t.chunks) for layer, t in zip(profile.layers, times)
                         if t.chunks)
@@ -644,7 +645,7 @@ def memory_per_pp_rank(profile: ModelProfile, cluster, layout: Layout, seq: int 
             by_signature[layer.signature] = layer_times(
                 layer, links, layout, seq, dtype, graph_dtype_bytes, "flash", 0.0,
                 profile.kv_heads, profile.vocab,
-                expert_tp=profile.expert_tp(mesh.tp, mesh.sp, mesh.ep))
+                expert_tp=profile.expert_tp(mesh.tp, mesh.sp))
     times = [by_signature[layer.signature] for layer in profile.layers]
     placement = stage_ranks(layout.schedule, mesh.pp, layout.virtual_stages)
     stages = stage_split(times, placement, stage_starts, cache, shape)
@@ -678,7 +679,7 @@ def _held(profile: ModelProfile, stages: Split, shape: tuple, cache: dict,
     key = ("held", stages.starts, stages.placement, *shape, gather_limit, width)
     if key not in cache:
         tp, ep = shape[1], shape[4]
-        etp = profile.expert_tp(tp, shape[2], ep)
+        etp = profile.expert_tp(tp, shape[2])
         per_rank = [_rank_params(profile, spans, tp, cache, gather_limit, width, ep, etp)
                     for spans in stages.ranges]
         params = tuple(local for local, _, _ in per_rank)
@@ -686,7 +687,8 @@ def _held(profile: ModelProfile, stages: Split, shape: tuple, cache: dict,
         for rank, work in enumerate(zip(params, stages.sums, stages.working)):
             first.setdefault(work, rank)
         experts = tuple(profile.expert_params([layer for first, end in spans
-                                               for layer in profile.layers[first:end]], ep)
+                                               for layer in profile.layers[first:end]], ep,
+                                              etp, tp)
                         if ep > 1 else 0.0 for spans in stages.ranges)
         cache[key] = Held(params, max(count for _, count, _ in per_rank),
                           tuple(first.values()), tuple(n for _, _, n in per_rank), experts)

@@ -74,10 +74,10 @@ class LayerProfile:
 def split_ways(split: str, tp: int, kv_heads: int | None = None,
                vocab: int | None = None, ep: int = 1, expert_tp: bool = False) -> float:
     """Over how many ranks a value marked `split` ("tp", "kv", "vocab", "none"; "expert":
-    a MoE layer's expert weights, split over ep, or over tp where `expert_tp`:
+    a MoE layer's expert weights, split over ep, and over tp too where `expert_tp`:
     `ModelProfile.expert_tp`) is divided: its size over the size one rank holds."""
     if split == "expert":
-        return tp if expert_tp else ep
+        return ep * (tp if expert_tp else 1)
     if split == "kv" and kv_heads:
         return min(tp, kv_heads)  # more ranks than KV heads: KV heads are replicated
     if split == "vocab" and vocab:
@@ -109,21 +109,22 @@ class ModelProfile:
     experts: tuple[int, ...] = ()  # experts of each MoE layer (autohybrid::moe_experts)
     expert_inter: tuple[int, ...] = ()  # each MoE layer's intermediate size
 
-    def expert_tp(self, tp: int, sp: bool, ep: int) -> bool:
+    def expert_tp(self, tp: int, sp: bool) -> bool:
         """Whether tp splits every expert's intermediate size (expert tensor parallelism:
         ops.moe.tensor_parallel_experts, as passes/expert_parallel.py asks)."""
-        return bool(self.experts) and tensor_parallel_experts(tp, sp, ep, self.expert_inter)
+        return bool(self.experts) and tensor_parallel_experts(tp, sp, self.expert_inter)
 
     def local_params(self, layers: list[LayerProfile], tp: int, ep: int = 1,
                      expert_tp: bool = False) -> float:
         return local_params(layers, tp, self.kv_heads, self.vocab, ep, expert_tp)
 
-    def expert_params(self, layers: list[LayerProfile], ep: int) -> float:
-        """Of `local_params`, the experts' slices one ep rank holds (summed over "edp";
-        asked only with ep > 1, where tp never splits the experts)."""
+    def expert_params(self, layers: list[LayerProfile], ep: int,
+                      expert_tp: bool = False, tp: int = 1) -> float:
+        """Of `local_params`, the experts' slices one ep rank holds (summed over "edp"),
+        over tp too where `expert_tp`."""
         unique = {name: count for layer in layers for name, count, split in layer.params
                   if split == "expert"}
-        return sum(unique.values()) / ep
+        return sum(unique.values()) / split_ways("expert", tp, ep=ep, expert_tp=expert_tp)
 
     def tp_problem(self, tp: int) -> str | None:
         """Why the tp layout cannot split `tp` ways (None: it can)."""
