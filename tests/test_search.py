@@ -340,3 +340,28 @@ def test_a_whole_batch_loss_term_under_microbatches_is_priced_one_more_forward()
         # rank plus the pipeline's fill, (m + pp - 1) / 3 of a microbatch's slot
         per_microbatch = plain.compute_s / (m + (mesh.pp - 1))
         assert 0.2 * m * per_microbatch < extra < 0.5 * (m + mesh.pp - 1) * per_microbatch
+
+
+class _Selected(torch.nn.Module):
+    """A linear over the rows a mask selects (a data-dependent row count), or over all."""
+
+    def __init__(self, select: bool):
+        super().__init__()
+        self.lin, self.select = torch.nn.Linear(6, 5), select
+
+    def forward(self, x):
+        return self.lin(x[x.sum(-1) > 0] if self.select else x).sum(0, keepdim=True)
+
+
+def test_a_data_dependent_row_count_is_priced_at_its_largest():
+    """search/space.data_dependent_sizes: the rows a boolean mask selects are at most all
+    of them; the profile prices them so (it could not be evaluated at all before: a
+    NameError on the unbacked symbol), equal to the linear over every row."""
+    x = torch.randn(8, 6)
+    flops = []
+    for select in (True, False):
+        cap = capture(_Selected(select), (x,), with_loss=False)
+        prof = profile(cap.gm, cap.dim_roles)
+        flops.append(sum(layer.values(8, None)["mm_sharded"] + layer.values(8, None)[
+            "mm_replicated"] for layer in prof.layers))
+    assert flops[0] == flops[1] > 0

@@ -494,6 +494,8 @@ class BatchFlow:
         rule = _RULES.get(packet)
         if rule is not None:
             return rule(self, node)
+        if name == "aten.where.default":   # torch.where(cond): nonzero, not element-wise
+            return _data_shaped(self, node)
         if torch.Tag.pointwise in target.tags or packet in _POINTWISE:
             return self._pointwise(node)
         return self._all_rep(node)

@@ -56,9 +56,10 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..errors import PlanError
-from ..graph import AH_PARAM, AH_ROLE, VAL, module_path, op_name, output_node
+from ..graph import AH_PARAM, AH_ROLE, VAL, module_path, op_name, output_node, source_line
 from ..cost.compute import grad_nodes
 from ..search.layers import segment
 from ..program import PipelineSplit, StageGraph
@@ -394,6 +395,15 @@ def build_split(gm: fx.GraphModule, stage_of: dict[fx.Node, int],
             if not sent_nodes:
                 raise PlanError(f"pipeline stage {k} sends nothing to stage {k + 1}: the "
                                 "stages are not connected; choose other stage boundaries")
+            sized_by_data = next((n for n in sent_nodes
+                                  if free_unbacked_symbols(n.meta.get(VAL))), None)
+            if sized_by_data is not None:
+                raise PlanError(
+                    f"pipeline stage {k} would send node {sized_by_data.name!r} "
+                    f"({op_name(sized_by_data)}, `{source_line(sized_by_data)}`) to stage "
+                    f"{k + 1}, whose shape depends on the data (e.g. the rows torch.where "
+                    "picks): a stage's receive buffers are sized before the values arrive. "
+                    "Choose stage boundaries it does not cross, or pp=1")
         stage = _stage_graph(gm, k, own, received_nodes, sent_nodes, index_of, out,
                              k == last, recompute, groups)
         stage.sent_requires_grad = tuple(n in needs_grad for n in sent_nodes

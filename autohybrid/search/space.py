@@ -169,6 +169,7 @@ def profile(gm: fx.GraphModule, dim_roles: dict[sympy.Symbol, str],
         layout = choose_layout(gm, rates) if rates is not None else megatron_layout(gm)
     batch, seq = sympy.symbols("batch seq", positive=True, integer=True)
     subs = {s: (batch if role == "batch" else seq) for s, role in dim_roles.items()}
+    subs.update(data_dependent_sizes(gm, subs))
     compiled: dict[str, tuple] = {}
     layers = []
     needs_grad = grad_nodes(gm)
@@ -189,6 +190,37 @@ def profile(gm: fx.GraphModule, dim_roles: dict[sympy.Symbol, str],
     return ModelProfile(layers, layout, sum(unique.values()), heads, kv_heads, layout.vocab,
                         tuple(int(n.args[5]) for n in moe),
                         tuple(int(n.args[4].meta[VAL].shape[-1]) for n in moe))
+
+
+def data_dependent_sizes(gm: fx.GraphModule, subs: dict) -> dict[sympy.Symbol, sympy.Expr]:
+    """A price for each data-dependent (unbacked) size of `gm`: the rows `nonzero`,
+    `masked_select`, `unique` and the like return (a hand-written MoE's `torch.where` over
+    its routing mask, per expert) are at most the elements of their input (of its boolean
+    mask, where it has one: `x[mask]`), and that is
+    what they are priced at — the largest they can be, so such a layer is priced high (a
+    MoE loop: every expert as if it received every route) rather than not at all. A
+    size with no tensor input (from `.item()`) is priced at 1. `subs` maps the batch and
+    sequence symbols; the bounds are in those terms."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    out: dict[sympy.Symbol, sympy.Expr] = {}
+    for node in gm.graph.nodes:
+        val = node.meta.get(VAL)
+        if val is None:
+            continue
+        new = [u for u in free_unbacked_symbols(val) if u not in out]
+        if not new:
+            continue
+        inputs = [a.meta[VAL] for a in node.all_input_nodes
+                  if isinstance(a.meta.get(VAL), torch.Tensor)]
+        masks = [t for t in inputs if t.dtype == torch.bool]
+        inputs = masks or inputs   # x[mask]: at most the mask's elements, not x's
+        bound = sympy.Integer(1)
+        if inputs:
+            sizes = [numel_expr(t).xreplace({**subs, **out}) for t in inputs]
+            bound = sizes[0] if len(sizes) == 1 else sympy.Max(*sizes)
+        out.update({u: bound for u in new})
+    return out
 
 
 def has_sequence_region(gm: fx.GraphModule, layout: TensorParallelLayout,
