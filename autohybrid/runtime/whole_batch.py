@@ -45,11 +45,13 @@ _SEEN: "weakref.WeakKeyDictionary[fx.GraphModule, bool]" = weakref.WeakKeyDictio
 
 
 def has_batch_sums(graphs: Sequence[fx.GraphModule]) -> bool:
-    """Whether any of `graphs` adds partial sums over the batch (`batch_sum` nodes);
-    each graph looked at once."""
+    """Whether any of `graphs` adds partial sums over the batch (`batch_sum` nodes, in
+    the graph or a region of it recomputed in backward: a submodule); each graph looked
+    at once."""
     for gm in graphs:
         if gm not in _SEEN:
-            _SEEN[gm] = any(n.target is _BATCH_SUM for n in gm.graph.nodes)
+            _SEEN[gm] = any(n.target is _BATCH_SUM for sub in gm.modules()
+                            if isinstance(sub, fx.GraphModule) for n in sub.graph.nodes)
     return any(_SEEN[gm] for gm in graphs)
 
 
