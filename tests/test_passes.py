@@ -333,7 +333,33 @@ def _split_numerators(cap, model, x, t, splits) -> list[torch.Tensor]:
     return out
 
 
-PER_SAMPLE = {"moe_per_token_dispatch": TokenMoE, "causal_mask_new_ones": CausalMaskAttention}
+class WhereMoE(nn.Module):
+    """(batch, seq, hidden) → (batch, seq, classes) through transformers 4.4x's Mixtral
+    sparse block: a loop over the experts, each taking its tokens by torch.where over the
+    routing mask (a data-dependent count) and adding its output back with index_add_."""
+
+    def __init__(self, experts: int = 4, k: int = 2):
+        super().__init__()
+        self.gate = nn.Linear(HIDDEN, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(experts))
+        self.head = nn.Linear(HIDDEN, CLASSES)
+        self.k, self.num_experts = k, experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        flat = x.view(-1, h)
+        weights, chosen = torch.topk(F.softmax(self.gate(flat), dim=1), self.k, dim=-1)
+        out = torch.zeros((b * s, h), dtype=x.dtype, device=x.device)
+        mask = F.one_hot(chosen, num_classes=self.num_experts).permute(2, 1, 0)
+        for e in range(self.num_experts):
+            slot, rows = torch.where(mask[e])
+            y = torch.tanh(self.experts[e](flat[None, rows].reshape(-1, h)))
+            out.index_add_(0, rows, y * weights[rows, slot, None])
+        return self.head(out.reshape(b, s, h))
+
+
+PER_SAMPLE = {"moe_per_token_dispatch": TokenMoE, "causal_mask_new_ones": CausalMaskAttention,
+              "moe_loop_over_torch_where": WhereMoE}
 
 
 @pytest.mark.timeout(60)
@@ -341,7 +367,7 @@ PER_SAMPLE = {"moe_per_token_dispatch": TokenMoE, "causal_mask_new_ones": Causal
 def test_per_token_dispatch_and_batch_free_masks_split_over_shards(name: str) -> None:
     """The analysis proves these per-sample (before: refused at `histc` / `new_ones`),
     and the shards of any split do add up to eager's loss."""
-    if name.startswith("moe"):
+    if name == "moe_per_token_dispatch":
         pytest.importorskip("transformers.integrations.moe")  # registers grouped_mm_fallback
     g = torch.Generator().manual_seed(3)
     torch.manual_seed(0)
@@ -366,6 +392,10 @@ COMBINING = {
     "divided_by_the_batch_size": lambda: Mixing(lambda h: h / h.shape[0]),
     "first_sample_subtracted": lambda: Mixing(lambda h: h - h[:1]),
     "flipped_batch": lambda: Mixing(lambda h: h.flip(0)),
+    # torch.where's picked rows: summed into every token, their count as a value
+    "picked_rows_summed": lambda: Mixing(lambda h: h + h[torch.where(h.sum(-1) > 0)].sum(0)),
+    "picked_count_divides": lambda: Mixing(
+        lambda h: h / torch.where(h.sum(-1) > 0)[0].shape[0]),
 }
 
 

@@ -518,3 +518,50 @@ def test_split_backward_keeps_gradients_of_outputs_made_from_parameters_alone():
         torch.testing.assert_close(got, want)
     dropped = run(fix=False)
     assert dropped[2] is None or not torch.allclose(dropped[2], full[2])  # torch's own
+
+
+class _Picked(nn.Module):
+    """Rows picked by torch.where (a data-dependent count) through two layers, added back."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 5)
+
+    def forward(self, x):
+        rows = torch.where(x.sum(-1) > 0)[0]
+        picked = self.b(torch.tanh(self.a(x[rows])))
+        return self.c(torch.zeros_like(x).index_add(0, rows, picked))
+
+
+@pytest.mark.timeout(120)
+def test_a_stage_boundary_a_data_sized_value_would_cross_is_refused():
+    """A stage receives into buffers sized before the values arrive: a boundary where
+    rows whose count only the data gives would travel is refused with the reason (it
+    failed at the first step: sympy could not size the buffer); the other boundaries
+    split, and the stages chained give the whole graph's loss."""
+    import dataclasses
+
+    from autohybrid.search.layers import segment
+
+    x, t = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 5, (8,))
+    model = _Picked().double()
+    cap = capture(model, (x,), F.cross_entropy, (t,))
+    plan = ah.plan(model, ah.Cluster.local(2), (x,), loss_fn=F.cross_entropy,
+                   example_targets=(t,), constraints=ah.Constraints(
+                       pp=2, dp=1, tp=1, schedule="gpipe", num_microbatches=1))
+    args = cap.flat_args(cap.default_state(model), (x,), (t,))
+    outcomes = {}
+    for boundary in [layer.name for layer in segment(cap.gm)][1:]:
+        ctx = PassContext(plan=dataclasses.replace(plan, stage_boundaries=(boundary,)),
+                          rank=0, coords=(0, 0, 0))
+        ctx.notes["loss_output_index"] = cap.user_outputs[0]
+        try:
+            gm = run_passes(cap.gm, ctx, passes_for("train"))
+        except PlanError as exc:
+            assert "depends on the data" in str(exc), (boundary, exc)
+            outcomes[boundary] = "refused"
+            continue
+        whole, piped = gm(*args), _chain(ctx.notes["pipeline"], args, (x,))
+        torch.testing.assert_close(piped[cap.user_outputs[0]], whole[cap.user_outputs[0]])
+        outcomes[boundary] = "split"
+    assert set(outcomes.values()) == {"refused", "split"}, outcomes

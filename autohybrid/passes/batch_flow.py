@@ -139,6 +139,12 @@ class _Sizes:
         self.batch = frozenset(batch)
         self._factor: dict = {}
 
+    def add_batch(self, symbols: Iterable) -> None:
+        """Count `symbols` as batch-sized too (the rows a selection over the batch picks:
+        as many per shard as its own samples give, adding up over the shards)."""
+        self.batch = self.batch | frozenset(symbols)
+        self._factor.clear()
+
     @staticmethod
     def expr(size: Any) -> Any:
         if isinstance(size, (torch.SymInt, torch.SymFloat, torch.SymBool)):
@@ -495,7 +501,7 @@ class BatchFlow:
         if rule is not None:
             return rule(self, node)
         if name == "aten.where.default":   # torch.where(cond): nonzero, not element-wise
-            return _data_shaped(self, node)
+            return _selection(self, node)
         if torch.Tag.pointwise in target.tags or packet in _POINTWISE:
             return self._pointwise(node)
         return self._all_rep(node)
@@ -1850,6 +1856,35 @@ def _fill(self: BatchFlow, node: fx.Node) -> Flow:
     if f.kind != REP:
         raise _Fail("it fills with a value that depends on the batch")
     return self._from_shape(node, tuple(node.meta[VAL].shape))
+
+
+def _selection(self: BatchFlow, node: fx.Node) -> Any:
+    """torch.where(cond): the coordinates of cond's true elements, one index tensor per
+    dim, in row-major order. Over a batch split along dim d, a shard picks the true
+    elements of its own samples: each picked row belongs to the sample of its coordinate
+    d, which points into that dim's rows (a hand-written MoE's tokens per expert,
+    `torch.where(mask[e])`). The rows come in an order the shard's samples give, and
+    their count is data's (a new symbol, counted as batch-sized: the shards' counts add
+    up), so they are a perm value of the selection (order may not matter; a pointer that
+    may repeat or miss rows: sending values back only by adding)."""
+    cond = node.args[0]
+    f = self.flow(cond)
+    rank = _rank(cond)
+    if f.kind == UNKNOWN:
+        return (f,) * rank
+    if f.kind == REP:
+        return self._all_rep(node)
+    if f.kind != SPLIT or f.ptr is not None or f.outer != 1:
+        raise _Fail("its output size depends on the values of the whole batch")
+    vals = node.meta[VAL]
+    self.sizes.add_batch(s.node.expr for t in vals for s in t.shape
+                         if isinstance(s, torch.SymInt) and s.node.expr.free_symbols
+                         and not self.sizes.has_batch(s))
+    shape = _shape(cond)
+    return tuple(Flow(PERM, 0, node, ptr=("split", self.sizes.expr(shape[j])))
+                 if j == f.dim else
+                 Flow(PERM, 0, node, bound=shape[j] if isinstance(shape[j], int) else None)
+                 for j in range(rank))
 
 
 @_rule(*_DATA_SHAPED)
