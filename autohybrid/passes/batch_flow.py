@@ -59,7 +59,11 @@ inputs' shapes (`new_ones`, `zeros_like`, ...) are constant along the batch. For
 dispatch: sorting the flattened keys along the batch gives perm values; `inv[perm] =
 arange(N)` (an index_put with a permutation) and `out[perm] = rows` send perm rows back
 to split ones; `histc` / `bincount` of π's keys with one bin per key value, its
-`cumsum`, and a grouped matmul over π's rows with those offsets follow the rule above.
+`cumsum`, and a grouped matmul over π's rows with those offsets follow the rule above;
+`torch.where(mask)` over a batch-split mask gives perm values of the selection (each
+picked row its own sample's, the batch coordinate a pointer into the split dim, the
+count a new batch-sized symbol), so a hand-written loop over experts gathering its
+tokens by them and adding its outputs back with `index_add_` is per-sample.
 Capacity-limited routing (a token's slot depends on the tokens before it in the batch,
 `cumsum` along the batch) and batch statistics stay unknown; sums over the batch are
 partial, rep once `autohybrid::batch_sum` adds them over the shards (a load-balancing
