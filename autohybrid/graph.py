@@ -180,6 +180,22 @@ def shared_fake_values() -> Iterator[None]:
         _SHARED.reset(token)
 
 
+def draws_random(node: fx.Node) -> bool:
+    """Whether `node` draws from the random generator: an op tagged nondeterministic_seeded,
+    except a dropout (or attention's dropout) with p = 0 or in eval mode."""
+    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    name = getattr(node.target, "__name__", "")
+    if "scaled_dot_product" in name:   # (q, k, v, mask, dropout_p, ...)
+        p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+        return p != 0.0
+    if name.startswith(("native_dropout", "dropout")):   # (x, p, train)
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        return p != 0.0 and train is not False
+    return True
+
+
 def refresh_fake(node: fx.Node, mode) -> None:
     """Recompute `meta["val"]` of call_function `node` from its inputs' values (shared
     with an identical earlier computation inside `shared_fake_values()`)."""

@@ -30,10 +30,11 @@ travel in one all-to-all first.
 
 Expert tensor parallelism (`tp_axis` names a mesh axis; "" = none; with `axis` or
 without): every rank of it has the same tokens and routes and holds the same slice j of
-every (local) expert's intermediate size — rows [j·I/tp, (j+1)·I/tp) of the gate and of the up projection (`gate_up` is
-(E, 2I/tp, H), its gate rows first) and those columns of `down` (E, H, I/tp). Each rank
-computes its slice's share of every expert output, and one all-reduce over the axis sums
-the combined tokens (Megatron's row-parallel second linear). Backward: the output's
+every (local) expert's intermediate size — rows [j·I/tp, (j+1)·I/tp) of the gate and of
+the up projection (`gate_up` is (E, 2I/tp, H), its gate rows first) and those columns of
+`down` (E, H, I/tp). Each rank computes its slice's share of every expert output, and
+one all-reduce over the axis sums the combined tokens (Megatron's row-parallel second
+linear). Backward: the output's
 gradient is the same on every rank; the slices' weight gradients are this rank's own, and
 the gradients of `x` and of the router weights (sums over the slices) are all-reduced.
 

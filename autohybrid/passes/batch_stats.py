@@ -32,7 +32,7 @@ import torch
 import torch.fx as fx
 
 from .. import ops  # noqa: F401  (registers autohybrid::batch_sum)
-from ..graph import AH_PASS, VAL, op_name, schema_args
+from ..graph import AH_PASS, VAL, draws_random, op_name, schema_args
 from .batch_flow import BSIZE, PARTIAL, BatchFlow, Flow
 
 _BATCH_SUM = torch.ops.autohybrid.batch_sum.default
@@ -136,10 +136,6 @@ def _counts_as_tensors(node: fx.Node, flows: BatchFlow) -> list[fx.Node]:
     return out
 
 
-#: Ops drawing from the random generator (a dropout with p = 0 draws nothing).
-_RANDOM = ("dropout", "bernoulli", "rand", "normal", "multinomial", "uniform", "exponential")
-
-
 def whole_batch_problem(gm: fx.GraphModule, plan) -> str | None:
     """Why the whole-batch statistics of `gm` (its `batch_sum` nodes) cannot be added up
     over `plan`'s microbatches before the step, or None. The runtime computes them in a
@@ -151,21 +147,10 @@ def whole_batch_problem(gm: fx.GraphModule, plan) -> str | None:
     prove it a partial sum.)"""
     stages_per_rank = plan.virtual_stages
     if plan.mesh.pp > 1 and stages_per_rank > 1:
-        drawn = next((n for n in gm.graph.nodes if _draws(n)), None)
+        drawn = next((n for n in gm.graph.nodes if draws_random(n)), None)
         if drawn is not None:
             return (f"node {drawn.name!r} ({op_name(drawn)}) draws random numbers, and with "
                     f"{stages_per_rank} pipeline stages per rank the schedule runs a rank's "
                     "forwards in another order than that first forward, so they would draw "
                     "other numbers. Use one stage per rank, or one microbatch")
     return None
-
-
-def _draws(node: fx.Node) -> bool:
-    if node.op != "call_function" or not any(w in op_name(node) for w in _RANDOM):
-        return False
-    if "dropout" in op_name(node):
-        kw = schema_args(node)
-        p = kw.get("p")
-        return kw.get("train", True) is not False and not (isinstance(p, (int, float))
-                                                            and p == 0)
-    return True

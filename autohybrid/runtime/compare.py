@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 
 from ..errors import AutohybridError
+from ..graph import draws_random
 
 _RTOL = {torch.float16: 5e-2, torch.bfloat16: 5e-2}
 _DEFAULT_RTOL = 1e-3
@@ -16,21 +17,7 @@ _DEFAULT_RTOL = 1e-3
 
 def has_random_ops(gm: fx.GraphModule) -> bool:
     """Whether the graph draws random numbers (dropout with p > 0, rand*, bernoulli)."""
-    return any(_draws(node) for node in gm.graph.nodes if node.op == "call_function")
-
-
-def _draws(node: fx.Node) -> bool:
-    if torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
-        return False
-    name = getattr(node.target, "__name__", "")
-    if "scaled_dot_product" in name:   # (q, k, v, mask, dropout_p, ...)
-        p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
-        return p != 0.0
-    if name.startswith(("native_dropout", "dropout")):   # (x, p, train)
-        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
-        return p != 0.0 and train is not False
-    return True
+    return any(draws_random(node) for node in gm.graph.nodes if node.op == "call_function")
 
 
 def refuse_random(gm: fx.GraphModule, dp: int, num_microbatches: int) -> None:

@@ -60,6 +60,7 @@ from ..cluster import Cluster
 from ..cost.memory import dtype_bytes, training_state
 from ..errors import AutohybridError, NoPlanFitsError, NotExecutableError, PlanError
 from ..graph import AH_PARAM, AH_ROLE, VAL, op_name, schema_args
+from ..passes.expert_parallel import moe_nodes
 from ..passes.fusion import inline_where_eager
 from ..plan import Constraints, Plan
 from ..planning import make_plan
@@ -273,7 +274,7 @@ def _check(train: CapturedGraph, program: RankProgram, profile: ModelProfile, no
         collectives=dict(counts),
         expected_collectives=expected_collectives(
             train.gm, profile.layout, plan.mesh.tp, profile.kv_heads,
-            moe_layers(train.gm) if mesh.ep > 1 or profile.expert_tp(mesh.tp, mesh.sp)
+            len(moe_nodes(train.gm)) if mesh.ep > 1 or profile.expert_tp(mesh.tp, mesh.sp)
             else 0),
         shape_mismatches=mismatches, largest_param=biggest(local),
         largest_full_param=biggest(full), timings=timings, program=program,
@@ -285,11 +286,6 @@ def moe_exchanges(node: fx.Node) -> bool:
     or over tp (all-reduce: expert tensor parallelism)."""
     kw = schema_args(node)
     return bool(kw.get("axis")) or bool(kw.get("tp_axis"))
-
-
-def moe_layers(gm: fx.GraphModule) -> int:
-    return sum(1 for n in gm.graph.nodes
-               if n.op == "call_function" and op_name(n) == "autohybrid.moe_experts.default")
 
 
 def expected_collectives(gm: fx.GraphModule, layout: TensorParallelLayout, tp: int,
