@@ -32,6 +32,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from . import capture_cache, capture_wire
 from .capture_blocks import export_by_blocks
 from .capture_moe import routed_experts
+from .capture_moe_loop import drop_unused_symbols, fold_expert_loops
 from .errors import CaptureError
 from .graph import AH_BUFFER, AH_PARAM, AH_ROLE, VAL, graph_hash, verify
 from .sample_stats import StatsLoss
@@ -302,6 +303,8 @@ def _prepare(model: nn.Module, example_inputs: Any, example_targets: Any,
 def _finish(ep: ExportedProgram, model: nn.Module, method: str, inputs: tuple,
             targets: tuple, with_loss: bool, autocast: torch.dtype | None) -> CapturedGraph:
     cap = _from_exported(ep, model, method, len(inputs), len(targets), with_loss)
+    if fold_expert_loops(cap.gm):   # hand-written MoE loops → autohybrid::moe_experts
+        drop_unused_symbols(ep)
     cap.autocast = autocast
     cap.example_shapes = [tuple(t.shape) for t in (*inputs, *targets)]
     cap.exported = _without_tensors(ep)

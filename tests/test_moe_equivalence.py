@@ -28,6 +28,7 @@ from _equiv import OPTIMIZERS, Failures, lm_loss, train_and_compare, zoo_batches
 from _limits import guard
 from _pool import launch as pool_launch
 from autohybrid.models.spec import zoo_loss
+from test_moe_loop import LoopLM, LoopMoE
 
 EXPERTS = 4
 #: an expert takes at most ceil(1.0 · T · k / E) routes of a sequence: about a tenth drop
@@ -337,92 +338,43 @@ def test_check_true_under_expert_parallelism(world, pinned, check):
 
 
 # ------------------------------------------------------------------ a hand-written MoE
-class _LoopExpert(torch.nn.Module):
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.w1 = torch.nn.Linear(hidden, inter, bias=False)
-        self.w2 = torch.nn.Linear(inter, hidden, bias=False)
-        self.w3 = torch.nn.Linear(hidden, inter, bias=False)
-
-    def forward(self, x):
-        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
-
-
-class _LoopMoE(torch.nn.Module):
-    """Mixtral's original sparse block, as Hugging Face wrote it before its experts
-    interface: a loop over the experts, each taking its tokens by torch.where over the
-    routing mask and adding its output back with index_add_ (data-dependent sizes)."""
-
-    def __init__(self, hidden: int = 32, inter: int = 48, experts: int = 4, k: int = 2):
-        super().__init__()
-        self.gate = torch.nn.Linear(hidden, experts, bias=False)
-        self.experts = torch.nn.ModuleList(_LoopExpert(hidden, inter) for _ in range(experts))
-        self.k, self.num_experts = k, experts
-
-    def forward(self, hidden_states):   # (transformers 4.4x's MixtralSparseMoeBlock)
-        batch_size, sequence_length, hidden_dim = hidden_states.shape
-        hidden_states = hidden_states.view(-1, hidden_dim)
-        router_logits = self.gate(hidden_states)
-        routing_weights = torch.nn.functional.softmax(router_logits, dim=1, dtype=torch.float)
-        routing_weights, selected_experts = torch.topk(routing_weights, self.k, dim=-1)
-        routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
-        routing_weights = routing_weights.to(hidden_states.dtype)
-        final_hidden_states = torch.zeros((batch_size * sequence_length, hidden_dim),
-                                          dtype=hidden_states.dtype,
-                                          device=hidden_states.device)
-        expert_mask = torch.nn.functional.one_hot(selected_experts,
-                                                  num_classes=self.num_experts).permute(2, 1, 0)
-        for expert_idx in range(self.num_experts):
-            idx, top_x = torch.where(expert_mask[expert_idx])
-            current_state = hidden_states[None, top_x].reshape(-1, hidden_dim)
-            current_hidden_states = self.experts[expert_idx](current_state) \
-                * routing_weights[top_x, idx, None]
-            final_hidden_states.index_add_(0, top_x,
-                                           current_hidden_states.to(hidden_states.dtype))
-        return final_hidden_states.reshape(batch_size, sequence_length, hidden_dim)
-
-
-class _LoopLM(torch.nn.Module):
-    def __init__(self, vocab: int = 64, hidden: int = 32):
-        super().__init__()
-        self.emb = torch.nn.Embedding(vocab, hidden)
-        self.norm = torch.nn.LayerNorm(hidden)
-        self.moe = _LoopMoE(hidden)
-        self.head = torch.nn.Linear(hidden, vocab)
-
-    def forward(self, ids):
-        h = self.emb(ids)
-        return self.head(h + self.moe(self.norm(h)))
-
-
 def _loop_rank(rank: int, world: int, cases: list[tuple[dict, str]]) -> Failures:
     fails = Failures()
     g = torch.Generator().manual_seed(3)
     batches = [((torch.randint(0, 64, (8, 12), generator=g),),
                 torch.randint(0, 64, (8, 12), generator=g)) for _ in range(2)]
-    for pinned, optimizer in cases:
+    for pinned, optimizer, *written in cases:
         torch.manual_seed(0)
-        model = _LoopLM().double()
-        name = f"hand-written MoE {pinned} {optimizer}"
+        model = LoopLM(LoopMoE(bias=True) if written else None).double()
+        name = f"hand-written MoE{' (as written)' if written else ''} {pinned} {optimizer}"
         compiled, _ = train_and_compare(fails, name, model, batches, world, loss_fn=lm_loss,
                                         optimizer=OPTIMIZERS[optimizer],
                                         constraints=ah.Constraints(**pinned))
         fails.check(f"{name}: plan {compiled.plan.summary()}",
                     all(getattr(compiled.plan.mesh, k) == v for k, v in pinned.items()
-                        if k in ("dp", "tp", "sp", "pp")))
+                        if k in ("dp", "tp", "sp", "pp", "ep")))
     return fails
 
 
 @pytest.mark.procs
 @pytest.mark.timeout(300)
 def test_a_hand_written_moe_loop_trains_like_eager():
-    """Mixtral's original loop over experts (torch.where, index_add_: data-dependent
-    sizes, which the planner prices at their largest) is no MoE op: it runs as written,
-    like eager, under dp (each shard's torch.where picks its own tokens: batch_flow.py),
-    dp with microbatches, tp with and without sp, and a pipeline whose stages exchange
-    no data-sized value (tests/test_pp_equivalence.py: a boundary that would is refused)."""
+    """Mixtral's original loop over experts (torch.where, index_add_), folded at capture
+    into one MoE op whose weights are the experts' separate parameters stacked
+    (tests/test_moe_loop.py), trains like eager under dp, dp with microbatches, tp with
+    and without sp (the experts whole on every tp rank), a pipeline, and expert
+    parallelism: ep=2 (each rank its half of the stacks, every rank every parameter),
+    with the tokens in two chunks, with ZeRO-1 and with ZeRO-3. With biases on its
+    experts the loop is not folded and runs as written (data-dependent sizes, priced at
+    their largest): under dp (each shard's torch.where picks its own tokens:
+    batch_flow.py) with microbatches, and a pipeline whose stages exchange no data-sized
+    value (tests/test_pp_equivalence.py: a boundary that would is refused)."""
     results = pool_launch(_loop_rank, 2, args=(2, [
         (dict(dp=2), "sgd"), (dict(dp=2, num_microbatches=2), "adamw"),
         (dict(tp=2, sp=True), "adamw"), (dict(tp=2, sp=False), "sgd"),
-        (dict(pp=2, num_microbatches=2), "sgd")]), timeout_s=guard(200))
+        (dict(pp=2, num_microbatches=2), "sgd"), (dict(ep=2), "adamw"),
+        (dict(ep=2, moe_chunks=2), "sgd"), (dict(ep=2, zero=1), "adamw"),
+        (dict(ep=2, zero=3), "sgd"),
+        (dict(dp=2, num_microbatches=2), "adamw", "as written"),
+        (dict(pp=2, num_microbatches=2), "sgd", "as written")]), timeout_s=guard(300))
     assert results == [[], []], "\n".join(line for r in results for line in r)

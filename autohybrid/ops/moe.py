@@ -10,8 +10,9 @@ layout, with `gate_up[e]` of shape (2I, H), gate rows first, and `down[e]` of (H
 dropless (every routed token reaches its expert), for tokens `x` (T, H) and routes
 (T, k); an index equal to `num_experts` (Hugging Face's "no expert" sentinel) adds
 nothing. The zoo's MoE model calls it; capture routes Hugging Face experts to it
-(`hf_experts_forward`), so a captured graph holds one `autohybrid::moe_experts` node per
-MoE layer — the block expert parallelism rewrites.
+(`hf_experts_forward`) and folds hand-written expert loops into it (capture_moe_loop.py),
+so a captured graph holds one `autohybrid::moe_experts` node per MoE layer — the block
+expert parallelism rewrites.
 
 Expert parallelism (`axis` names a mesh axis of ep ranks; "" = none): rank r of the axis
 holds experts [r·E/ep, (r+1)·E/ep) (`gate_up` and `down` are its slices) and the tokens of

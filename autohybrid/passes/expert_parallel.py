@@ -1,13 +1,14 @@
 """Pass: expert parallelism — each MoE layer's experts split over the "ep" mesh axis.
 
 With `Plan.mesh.ep` > 1, every `autohybrid::moe_experts` node (ops/moe.py; one per MoE
-layer, from the zoo's MoE model or Hugging Face experts routed by capture_moe.py) gets
-axis "ep": its tokens go to their experts' ranks and back by all-to-all, in
-`Plan.moe_chunks` chunks (one chunk's exchange overlapping the next one's experts). Its two weight
-parameters become this rank's slice of E/ep experts along dim 0 (`ShardSpec(axis="ep")`
-in `ctx.notes["param_shards"]`, as tensor parallelism's shards: the runtime slices them,
-gathers them back for full_state_dict and checkpoints, and sums their gradients over
-"edp", the ranks holding the same experts, instead of over dp).
+layer, from the zoo's MoE model, Hugging Face experts routed by capture_moe.py or a
+hand-written loop folded by capture_moe_loop.py) gets axis "ep": its tokens go to their
+experts' ranks and back by all-to-all, in `Plan.moe_chunks` chunks (one chunk's exchange
+overlapping the next one's experts). Its two weight parameters become this rank's slice
+of E/ep experts along dim 0 (`ShardSpec(axis="ep")` in `ctx.notes["param_shards"]`, as
+tensor parallelism's shards: the runtime slices them, gathers them back for
+full_state_dict and checkpoints, and sums their gradients over "edp", the ranks holding
+the same experts, instead of over dp).
 
 The ep axis is made of dp ranks (plan.expert_groups), so the batch is split over it as
 data parallelism splits it; the op's output rows are its own tokens', so what follows is
@@ -15,6 +16,13 @@ unchanged. ZeRO-1/2 cut the expert slices' shards over "edp" (runtime/zero.py). 
 naming the node, with a reason: a layer whose experts do not divide by ep, expert weights
 that are not parameters read by the op alone (a view, a weight shared with another op),
 and ZeRO-3 (passes/zero.py gathers every parameter over dp).
+
+A hand-written loop over separate expert modules, folded at capture into the op over
+their parameters stacked in the graph (capture_moe_loop.py): every rank holds every
+expert's parameters, so the op reads this rank's slice of the stacks (`aten.slice`), no
+parameter is sharded, and the dp reduction of the (replicated) parameters sums each
+expert's gradient from the ranks that computed it (the others' are zeros); ZeRO-3 gathers
+them like any parameter. Tensor parallelism leaves such experts whole.
 
 Runs before tensor_parallel: under sequence parallelism the expert slices are replicated
 over tp, and tp's rules for replicated parameters (sequence parallelism sums their
@@ -36,7 +44,8 @@ import torch
 import torch.fx as fx
 
 from ..errors import PlanError
-from ..graph import AH_PARAM, AH_ROLE, VAL, fake_mode, module_path, schema_args
+from ..capture_moe_loop import stacked_experts
+from ..graph import AH_PARAM, AH_ROLE, VAL, fake_mode, module_path, new_node, schema_args
 from ..ops.moe import tensor_parallel_experts  # (and registers autohybrid::moe_experts)
 from ..program import ShardSpec
 from .manager import PassContext
@@ -60,10 +69,11 @@ def expert_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         raise PlanError(f"mesh.ep={mesh.ep}: the graph has no MoE layer "
                         "(autohybrid::moe_experts) whose experts expert parallelism could "
                         "split; pin ep=1")
-    tp_split = tensor_parallel_experts(mesh.tp, mesh.sp, inter_sizes(nodes))
+    stacked = [n for n in nodes if stacked_experts(n)]
+    tp_split = not stacked and tensor_parallel_experts(mesh.tp, mesh.sp, inter_sizes(nodes))
     if mesh.ep == 1 and not (tp_split and nodes):
         return gm
-    if mesh.ep > 1 and ctx.plan.zero == 3:
+    if mesh.ep > 1 and ctx.plan.zero == 3 and len(stacked) < len(nodes):
         raise PlanError(f"mesh.ep={mesh.ep} with ZeRO-3: its per-layer gathers of the expert "
                         "slices would run over the ranks holding the same experts, which "
                         "passes/zero.py does not do; pin zero ≤ 2 with expert parallelism")
@@ -80,6 +90,10 @@ def expert_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if experts % ep:
             raise PlanError(f"expert parallelism: {where} has {experts} experts, which do "
                             f"not split over ep={ep} ranks; choose an ep dividing {experts}")
+        if node in stacked:   # separate parameters: this rank computes its slice of them
+            _slice_stacks(node, kw, experts // ep * index, experts // ep,
+                          ctx.plan.moe_chunks, mode)
+            continue
         for name in ("gate_up", "down"):
             weight = kw[name]
             if not (isinstance(weight, fx.Node) and weight.op == "placeholder"
@@ -105,6 +119,23 @@ def expert_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ctx.notes["param_shards"] = {**ctx.notes.get("param_shards", {}), **specs}
     gm.recompile()
     return gm
+
+
+def _slice_stacks(node: fx.Node, kw: dict, start: int, count: int, chunks: int,
+                  mode) -> None:
+    """Under ep, a folded loop's op (its weights stacked in the graph from every expert's
+    parameters, which every rank holds) reads experts [start, start + count) of the
+    stacks; autograd gives the other experts' parameters zero gradients on this rank, so
+    the dp reduction of the replicated parameters sums each expert's gradient from the
+    ranks that computed it (its ep group's tokens on each)."""
+    graph = node.graph
+    with graph.inserting_before(node):
+        local = [new_node(graph, torch.ops.aten.slice.Tensor,
+                          (kw[name], 0, start, start + count), None, pass_name="expert_parallel",
+                          mode=mode, like=node) for name in ("gate_up", "down")]
+    node.args = (kw["x"], kw["top_k_index"], kw["top_k_weights"], *local,
+                 kw["num_experts"], kw["act"], AXIS, chunks, "")
+    node.kwargs = {}
 
 
 def inter_sizes(nodes: list[fx.Node]) -> list[int]:

@@ -16,6 +16,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from ..capture_moe_loop import stacked_experts
 from ..cost.compute import (MATMUL_OPS, MOE_EXPERTS, _tensors, bytes_moved, extra_saved_bytes,
                             forward_flops, nbytes_expr,
                             grad_nodes, numel_expr, saved_nodes, sym_expr)
@@ -108,11 +109,15 @@ class ModelProfile:
     vocab: int | None = None      # vocabulary of the vocabulary-parallel layers
     experts: tuple[int, ...] = ()  # experts of each MoE layer (autohybrid::moe_experts)
     expert_inter: tuple[int, ...] = ()  # each MoE layer's intermediate size
+    #: some MoE layer's experts are separate parameters, stacked in the graph (a folded
+    #: hand-written loop: capture_moe_loop.py), which tensor parallelism leaves whole
+    experts_stacked: bool = False
 
     def expert_tp(self, tp: int, sp: bool) -> bool:
         """Whether tp splits every expert's intermediate size (expert tensor parallelism:
         ops.moe.tensor_parallel_experts, as passes/expert_parallel.py asks)."""
-        return bool(self.experts) and tensor_parallel_experts(tp, sp, self.expert_inter)
+        return bool(self.experts) and not self.experts_stacked \
+            and tensor_parallel_experts(tp, sp, self.expert_inter)
 
     def local_params(self, layers: list[LayerProfile], tp: int, ep: int = 1,
                      expert_tp: bool = False) -> float:
@@ -189,7 +194,8 @@ def profile(gm: fx.GraphModule, dim_roles: dict[sympy.Symbol, str],
     moe = [n for n in gm.graph.nodes if op_name(n) == MOE_EXPERTS]
     return ModelProfile(layers, layout, sum(unique.values()), heads, kv_heads, layout.vocab,
                         tuple(int(n.args[5]) for n in moe),
-                        tuple(int(n.args[4].meta[VAL].shape[-1]) for n in moe))
+                        tuple(int(n.args[4].meta[VAL].shape[-1]) for n in moe),
+                        any(stacked_experts(n) for n in moe))
 
 
 def data_dependent_sizes(gm: fx.GraphModule, subs: dict) -> dict[sympy.Symbol, sympy.Expr]:
