@@ -276,6 +276,10 @@ class Plan:
     #: expert parallelism: each MoE layer's tokens in this many chunks, one chunk's
     #: all-to-all overlapping the expert compute of the one before (ops/moe.py)
     moe_chunks: int = 1
+    #: the MoE layers' experts are separate parameters every rank holds (a hand-written
+    #: loop folded at capture: capture_moe_loop.py): ep splits their compute, not their
+    #: weights, and tp leaves them whole
+    experts_stacked: bool = False
     #: ZeRO-3: a layer whose parameters are smaller than this shares its neighbour's
     #: gather (passes/zero.py); the planner sets the dp link's latency × bandwidth, below
     #: which a collective costs its latency whatever its size
@@ -605,12 +609,12 @@ def _check_collective_matmul(plan: Plan) -> None:
 # ---------------------------------------------------------------------- JSON helpers
 #: fields added since FORMAT_VERSION 1 was first written: a plan file without them reads
 #: as their default
-_ADDED_FIELDS = {"Plan": ("params_hash", "moe_chunks"), "Mesh": ("spatial", "ep"),
+_ADDED_FIELDS = {"Plan": ("params_hash", "moe_chunks", "experts_stacked"), "Mesh": ("spatial", "ep"),
                  "Alternative": ("constraints",), "Constraints": ("ep", "moe_chunks")}
 #: fields written only when not at their default, so that plans without them keep their
 #: JSON (and hash) byte for byte
 _WRITTEN_IF_SET = {"Mesh": ("ep",), "Constraints": ("ep", "moe_chunks"),
-                   "Plan": ("moe_chunks",)}
+                   "Plan": ("moe_chunks", "experts_stacked")}
 
 
 def _to_jsonable(obj: Any) -> Any:

@@ -23,6 +23,7 @@ import autohybrid as ah
 from autohybrid.capture import capture
 from autohybrid.graph import op_name
 from autohybrid.passes import PassContext, passes_for, run_passes
+from autohybrid.report.text import experts_text
 from autohybrid.search.space import profile
 
 MOE = "autohybrid.moe_experts.default"
@@ -235,7 +236,10 @@ def test_the_folded_loop_is_planned_as_one_moe_layer_of_separate_parameters():
         2 * tokens * k * 3 * hidden * inter, rel=0.05)
     plan = ah.plan(model, ah.Cluster.local(2), (ids,), loss_fn=_loss, example_targets=(t,),
                    constraints=ah.Constraints(ep=2, dp=2))
-    assert plan.mesh.ep == 2
+    assert plan.mesh.ep == 2 and plan.experts_stacked
+    said = experts_text(plan)
+    assert "separate parameters" in said and "holds 1/2" not in said, said
+    assert ah.Plan.from_json(plan.to_json()).experts_stacked
     for rank in (0, 1):
         ctx = PassContext(plan=plan, rank=rank, coords=(0, rank, 0))
         ctx.notes["loss_output_index"] = cap.user_outputs[0]

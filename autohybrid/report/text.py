@@ -64,7 +64,14 @@ def experts_text(plan: Plan) -> str:
     """Why the plan splits a MoE model's experts the way it does: against the best listed
     alternative with the other choice of expert parallelism."""
     ep = plan.mesh.ep
-    if ep > 1:
+    if ep > 1 and plan.experts_stacked:
+        what = (f"computed over ep = {ep} of the {plan.mesh.dp} dp ranks: the experts are "
+                f"separate parameters (a hand-written loop, folded into one MoE op) that "
+                f"every rank holds; each rank computes 1/{ep} of every MoE layer's experts "
+                f"for the tokens sent to it by all-to-all and back, in {plan.moe_chunks} "
+                f"chunk(s) per MoE layer and microbatch; their gradients are summed over "
+                f"all {plan.mesh.dp} dp ranks (zeros where a rank did not compute the expert)")
+    elif ep > 1:
         what = (f"split over ep = {ep} of the {plan.mesh.dp} dp ranks: each "
                 f"rank holds 1/{ep} of every MoE layer's experts and sends each token to its "
                 f"experts' ranks and back by all-to-all, in {plan.moe_chunks} chunk(s) per "
@@ -74,7 +81,10 @@ def experts_text(plan: Plan) -> str:
     else:
         what = ("not split over ep (ep = 1): each rank computes every expert for its own "
                 "tokens, no all-to-all")
-    if plan.mesh.tp > 1 and not plan.mesh.sp:
+    if plan.mesh.tp > 1 and not plan.mesh.sp and plan.experts_stacked:
+        what += (f"; the {plan.mesh.tp} tp ranks share their tokens, and each computes every "
+                 f"expert whole (separate parameters: no expert tensor parallelism)")
+    elif plan.mesh.tp > 1 and not plan.mesh.sp:
         what += (f"; the {plan.mesh.tp} tp ranks share their tokens, and each computes its "
                  f"slice of every {'local ' if ep > 1 else ''}expert's intermediate size "
                  f"where tp divides it (expert tensor parallelism)")

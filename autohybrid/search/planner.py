@@ -583,6 +583,7 @@ def _make_plan(best: Candidate, profile: ModelProfile, cluster, request: PlanReq
     return replace(plan, collective_matmul=bool(chunked), collective_matmul_layers=chunked,
                    bucket_mb=best.priced.bucket_mb, predicted=predicted,
                    moe_chunks=best.priced.moe_chunks if best.layout.mesh.ep > 1 else 1,
+                   experts_stacked=profile.experts_stacked,
                    executable=False,   # _choose marks it once the passes ran
                    not_executable_because=best.unsupported,
                    shardings=(_shardings(profile) if best.layout.mesh.tp > 1
