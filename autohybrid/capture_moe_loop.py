@@ -26,7 +26,7 @@ weights; under expert parallelism a rank computes only its experts' slice of the
 
 Folded only when every piece matches exactly (the loop covers each of the E experts
 once, every expert reads its own three parameters of the same shapes, no value of the
-loop is read outside it, one dtype throughout); anything else is captured as written
+loop is read outside it, one dtype throughout: not under autocast); anything else is captured as written
 and runs as eager runs it (its data-dependent sizes priced at their bound).
 `AUTOHYBRID_DEBUG_MOE_LOOP=1` prints why a candidate loop was not folded.
 """
@@ -169,6 +169,11 @@ def _match(start: fx.Node) -> _Loop | None:
     dtypes = {n.meta[VAL].dtype for it in iterations for n in (it.w1, it.w3, it.w2)}
     if dtypes | {loop.weights.meta[VAL].dtype} != {x.dtype}:
         raise _NoMatch("the tokens, routing weights and expert weights differ in dtype")
+    floats = {n.meta[VAL].dtype for it in iterations for n in it.nodes
+              if isinstance(n.meta.get(VAL), torch.Tensor) and n.meta[VAL].is_floating_point()}
+    if floats != {x.dtype}:   # autocast computed the experts in another dtype than eager's
+        raise _NoMatch(f"the loop computes in {sorted(map(str, floats))}, its tokens are "
+                       f"{x.dtype}")
     loop.extra.add(start)
     inside = set().union(*(it.nodes for it in iterations)) | set(chain) | loop.extra
     for node in inside - {loop.last} - loop.extra:

@@ -218,6 +218,17 @@ def test_a_loop_the_op_does_not_compute_stays_as_written(name):
 
 
 @pytest.mark.timeout(120)
+def test_a_loop_captured_under_autocast_stays_as_written():
+    """Autocast computes the experts in bfloat16 and adds them into float32 rows: the
+    op would not round alike, so the loop is not folded."""
+    torch.manual_seed(0)
+    ids, t = _batch()
+    cap = capture(LoopLM(), (ids,), _loss, (t,), autocast=torch.bfloat16)
+    ops = [op_name(n) for n in cap.gm.graph.nodes]
+    assert MOE not in ops and "aten.where.default" in ops
+
+
+@pytest.mark.timeout(120)
 def test_the_folded_loop_is_planned_as_one_moe_layer_of_separate_parameters():
     """The profile sees its experts (ep candidates: 1 and 2 on 2 ranks) but no expert
     tensor parallelism (tp cannot cut separate parameters stacked in the graph); its
