@@ -201,10 +201,11 @@ def profile(gm: fx.GraphModule, dim_roles: dict[sympy.Symbol, str],
 def data_dependent_sizes(gm: fx.GraphModule, subs: dict) -> dict[sympy.Symbol, sympy.Expr]:
     """A price for each data-dependent (unbacked) size of `gm`: the rows `nonzero`,
     `masked_select`, `unique` and the like return (a hand-written MoE's `torch.where` over
-    its routing mask, per expert) are at most the elements of their input (of its boolean
-    mask, where it has one: `x[mask]`), and that is what they are priced at — the largest
-    they can be, so such a layer is priced high (a MoE loop: every expert as if it
-    received every route) rather than not at all. A size with no tensor input (from
+    its routing mask, per expert, where capture_moe_loop.py could not fold the loop into
+    the MoE op) are at most the elements of their input (of its boolean mask, where it has
+    one: `x[mask]`), and that is what they are priced at — the largest they can be, so
+    such a layer is priced high (a MoE loop: every expert as if it received every route)
+    rather than not at all. A size with no tensor input (from
     `.item()`) is priced at 1. `subs` maps the batch and sequence symbols; the bounds are
     in those terms."""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
