@@ -28,7 +28,7 @@ from _equiv import OPTIMIZERS, Failures, lm_loss, train_and_compare, zoo_batches
 from _limits import guard
 from _pool import launch as pool_launch
 from autohybrid.models.spec import zoo_loss
-from test_moe_loop import LoopLM, LoopMoE
+from test_moe_loop import LoopLM, LoopMoE, QwenLoopMoE
 
 EXPERTS = 4
 #: an expert takes at most ceil(1.0 · T · k / E) routes of a sequence: about a tenth drop
@@ -343,10 +343,12 @@ def _loop_rank(rank: int, world: int, cases: list[tuple[dict, str]]) -> Failures
     g = torch.Generator().manual_seed(3)
     batches = [((torch.randint(0, 64, (8, 12), generator=g),),
                 torch.randint(0, 64, (8, 12), generator=g)) for _ in range(2)]
-    for pinned, optimizer, *written in cases:
+    for pinned, optimizer, *variant in cases:
         torch.manual_seed(0)
-        model = LoopLM(LoopMoE(bias=True) if written else None).double()
-        name = f"hand-written MoE{' (as written)' if written else ''} {pinned} {optimizer}"
+        moe = {"as written": lambda: LoopMoE(bias=True), "qwen": QwenLoopMoE}.get(
+            variant[0] if variant else "", lambda: None)()
+        model = LoopLM(moe).double()
+        name = f"hand-written MoE {' '.join(variant)} {pinned} {optimizer}"
         compiled, _ = train_and_compare(fails, name, model, batches, world, loss_fn=lm_loss,
                                         optimizer=OPTIMIZERS[optimizer],
                                         constraints=ah.Constraints(**pinned))
@@ -364,8 +366,9 @@ def test_a_hand_written_moe_loop_trains_like_eager():
     (tests/test_moe_loop.py), trains like eager under dp, dp with microbatches, tp with
     and without sp (the experts whole on every tp rank), a pipeline, and expert
     parallelism: ep=2 (each rank its half of the stacks, every rank every parameter),
-    with the tokens in two chunks, with ZeRO-1 and with ZeRO-3. With biases on its
-    experts the loop is not folded and runs as written (data-dependent sizes, priced at
+    with the tokens in two chunks, with ZeRO-1 and with ZeRO-3; and transformers 4.4x's
+    Qwen2-MoE block (a shared expert beside the loop) under ep=2 with microbatches. With
+    biases on its experts the loop is not folded and runs as written (data-dependent sizes, priced at
     their largest): under dp (each shard's torch.where picks its own tokens:
     batch_flow.py) with microbatches, and a pipeline whose stages exchange no data-sized
     value (tests/test_pp_equivalence.py: a boundary that would is refused)."""
@@ -374,7 +377,7 @@ def test_a_hand_written_moe_loop_trains_like_eager():
         (dict(tp=2, sp=True), "adamw"), (dict(tp=2, sp=False), "sgd"),
         (dict(pp=2, num_microbatches=2), "sgd"), (dict(ep=2), "adamw"),
         (dict(ep=2, moe_chunks=2), "sgd"), (dict(ep=2, zero=1), "adamw"),
-        (dict(ep=2, zero=3), "sgd"),
+        (dict(ep=2, zero=3), "sgd"), (dict(ep=2, num_microbatches=2), "adamw", "qwen"),
         (dict(dp=2, num_microbatches=2), "adamw", "as written"),
         (dict(pp=2, num_microbatches=2), "sgd", "as written")]), timeout_s=guard(300))
     assert results == [[], []], "\n".join(line for r in results for line in r)

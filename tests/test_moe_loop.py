@@ -1,8 +1,9 @@
 """Hand-written MoE loops folded into `autohybrid::moe_experts` at capture
 (autohybrid/capture_moe_loop.py), process-free.
 
-Models we did not write as the zoo writes MoE: transformers 4.4x's Mixtral sparse block
-(one_hot mask, torch.where, index_add_) and a DeepSeek / nanoGPT-MoE style loop
+Models we did not write as the zoo writes MoE: transformers 4.4x's Mixtral and Qwen2-MoE
+sparse blocks (one_hot mask, torch.where, index_add_; Qwen's shared expert beside the
+loop) and a DeepSeek / nanoGPT-MoE style loop
 (`torch.where(index == e)`, gelu experts, the experts visited in another order). Each
 folds into one op, and the folded graph computes eager's loss and every parameter's
 gradient (each expert's three weights included: the stacks' backward). Loops the op does
@@ -106,6 +107,55 @@ class WhereEqMoE(torch.nn.Module):
         return (y + extra).view(shape)
 
 
+class QwenMLP(torch.nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.up_proj = torch.nn.Linear(hidden, inter, bias=False)
+        self.down_proj = torch.nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class QwenLoopMoE(torch.nn.Module):
+    """transformers 4.4x's Qwen2MoeSparseMoeBlock: the Mixtral loop without renormalized
+    top-k weights, beside a shared expert scaled by its own sigmoid gate."""
+
+    def __init__(self, hidden: int = 32, inter: int = 24, experts: int = 4, k: int = 2):
+        super().__init__()
+        self.gate = torch.nn.Linear(hidden, experts, bias=False)
+        self.experts = torch.nn.ModuleList(QwenMLP(hidden, inter) for _ in range(experts))
+        self.shared_expert = QwenMLP(hidden, 2 * inter)
+        self.shared_expert_gate = torch.nn.Linear(hidden, 1, bias=False)
+        self.num_experts, self.top_k = experts, k
+
+    def forward(self, hidden_states):
+        batch_size, sequence_length, hidden_dim = hidden_states.shape
+        hidden_states = hidden_states.view(-1, hidden_dim)
+        router_logits = self.gate(hidden_states)
+        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        routing_weights = routing_weights.to(hidden_states.dtype)
+        final_hidden_states = torch.zeros((batch_size * sequence_length, hidden_dim),
+                                          dtype=hidden_states.dtype,
+                                          device=hidden_states.device)
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        for expert_idx in range(self.num_experts):
+            expert_layer = self.experts[expert_idx]
+            idx, top_x = torch.where(expert_mask[expert_idx])
+            current_state = hidden_states[None, top_x].reshape(-1, hidden_dim)
+            current_hidden_states = expert_layer(current_state) \
+                * routing_weights[top_x, idx, None]
+            final_hidden_states.index_add_(0, top_x,
+                                           current_hidden_states.to(hidden_states.dtype))
+        shared_expert_output = self.shared_expert(hidden_states)
+        shared_expert_output = F.sigmoid(self.shared_expert_gate(hidden_states)) \
+            * shared_expert_output
+        final_hidden_states = final_hidden_states + shared_expert_output
+        return final_hidden_states.reshape(batch_size, sequence_length, hidden_dim)
+
+
 class LoopLM(torch.nn.Module):
     def __init__(self, moe: torch.nn.Module | None = None, vocab: int = 64, hidden: int = 32):
         super().__init__()
@@ -153,6 +203,7 @@ def _loss(out, t):
 
 
 FOLDED = {"mixtral_4_4x": LoopMoE, "where_eq_gelu_reversed": WhereEqMoE,
+          "qwen2_moe_4_4x_with_a_shared_expert": QwenLoopMoE,
           "mixtral_8_experts_top_3": lambda: LoopMoE(experts=8, k=3)}
 AS_WRITTEN = {"experts_with_biases": lambda: LoopMoE(bias=True),
               "an_expert_skipped": lambda: LoopMoE(skip=2),
