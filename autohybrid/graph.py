@@ -274,6 +274,19 @@ def new_node(graph: fx.Graph, op: Any, args: Iterable, kwargs: dict | None, *,
     return node
 
 
+def lazy_graph_module(root: Any, graph: fx.Graph) -> fx.GraphModule:
+    """A GraphModule of `graph` whose Python code is generated when it first runs (or its
+    code is read), not at every `recompile()`: the passes recompile after each rewrite
+    and the planner's trial never runs the result, and generating the code of a large
+    graph costs ~0.1 s each time (torch.fx's private `_LazyGraphModule`, in torch since
+    2.2; a plain GraphModule where it is missing)."""
+    try:
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:   # pragma: no cover (torch without it)
+        return fx.GraphModule(root, graph)
+    return _LazyGraphModule(root, graph)
+
+
 def propagate_fake(gm: fx.GraphModule, nodes: Iterable[fx.Node]) -> None:
     """Fill `meta["val"]` of `nodes` (new nodes a pass created) from their inputs' values."""
     mode = fake_mode(gm)

@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from ..blame import PassFailure
 from ..errors import AutohybridError
-from ..graph import fake_mode, shared_fake_values, verify
+from ..graph import fake_mode, lazy_graph_module, shared_fake_values, verify
 from ..plan import Plan
 
 log = logging.getLogger("autohybrid.passes")
@@ -65,7 +65,7 @@ def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     out = graph.graph_copy(gm.graph, value_map)
     old_output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     graph.output(out).meta.update(old_output.meta)
-    return fx.GraphModule(gm, graph)
+    return lazy_graph_module(gm, graph)
 
 
 def _snapshot(gm: fx.GraphModule, ctx: PassContext) -> dict[str, fx.GraphModule]:

@@ -59,7 +59,8 @@ import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..errors import PlanError
-from ..graph import AH_PARAM, AH_ROLE, VAL, module_path, op_name, output_node, source_line
+from ..graph import (AH_PARAM, AH_ROLE, VAL, lazy_graph_module, module_path, op_name,
+                     output_node, source_line)
 from ..cost.compute import grad_nodes
 from ..search.layers import segment
 from ..program import PipelineSplit, StageGraph
@@ -472,7 +473,7 @@ def _stage_graph(gm: fx.GraphModule, k: int, own: list[fx.Node], received: list[
     for node in order:
         env[node] = graph.node_copy(node, lookup)
     graph.output(tuple(fx.node.map_arg(n, lookup) for n in sent))
-    stage_gm = fx.GraphModule(gm, graph)
+    stage_gm = lazy_graph_module(gm, graph)
     params = tuple(dict.fromkeys(
         n.meta.get(AH_PARAM, n.name) for i, n in ((i, needed[i]) for i in sorted(needed))
         if n.meta.get(AH_ROLE) == "param"))
