@@ -26,8 +26,9 @@ weights; under expert parallelism a rank computes only its experts' slice of the
 
 Folded only when every piece matches exactly (the loop covers each of the E experts
 once, every expert reads its own three parameters of the same shapes, no value of the
-loop is read outside it, one dtype throughout: not under autocast); anything else is captured as written
-and runs as eager runs it (its data-dependent sizes priced at their bound).
+loop is read outside it, one dtype throughout: not under autocast); anything else is
+captured as written and runs as eager runs it (its data-dependent sizes priced at their
+bound).
 `AUTOHYBRID_DEBUG_MOE_LOOP=1` prints why a candidate loop was not folded.
 """
 from __future__ import annotations

@@ -609,8 +609,9 @@ def _check_collective_matmul(plan: Plan) -> None:
 # ---------------------------------------------------------------------- JSON helpers
 #: fields added since FORMAT_VERSION 1 was first written: a plan file without them reads
 #: as their default
-_ADDED_FIELDS = {"Plan": ("params_hash", "moe_chunks", "experts_stacked"), "Mesh": ("spatial", "ep"),
-                 "Alternative": ("constraints",), "Constraints": ("ep", "moe_chunks")}
+_ADDED_FIELDS = {"Plan": ("params_hash", "moe_chunks", "experts_stacked"),
+                 "Mesh": ("spatial", "ep"), "Alternative": ("constraints",),
+                 "Constraints": ("ep", "moe_chunks")}
 #: fields written only when not at their default, so that plans without them keep their
 #: JSON (and hash) byte for byte
 _WRITTEN_IF_SET = {"Mesh": ("ep",), "Constraints": ("ep", "moe_chunks"),

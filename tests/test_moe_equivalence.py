@@ -368,10 +368,10 @@ def test_a_hand_written_moe_loop_trains_like_eager():
     parallelism: ep=2 (each rank its half of the stacks, every rank every parameter),
     with the tokens in two chunks, with ZeRO-1 and with ZeRO-3; and transformers 4.4x's
     Qwen2-MoE block (a shared expert beside the loop) under ep=2 with microbatches. With
-    biases on its experts the loop is not folded and runs as written (data-dependent sizes, priced at
-    their largest): under dp (each shard's torch.where picks its own tokens:
-    batch_flow.py) with microbatches, and a pipeline whose stages exchange no data-sized
-    value (tests/test_pp_equivalence.py: a boundary that would is refused)."""
+    biases on its experts the loop is not folded and runs as written (data-dependent
+    sizes, priced at their largest): under dp (each shard's torch.where picks its own
+    tokens: batch_flow.py) with microbatches, and a pipeline whose stages exchange no
+    data-sized value (tests/test_pp_equivalence.py: a boundary that would is refused)."""
     results = pool_launch(_loop_rank, 2, args=(2, [
         (dict(dp=2), "sgd"), (dict(dp=2, num_microbatches=2), "adamw"),
         (dict(tp=2, sp=True), "adamw"), (dict(tp=2, sp=False), "sgd"),

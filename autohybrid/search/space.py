@@ -205,9 +205,8 @@ def data_dependent_sizes(gm: fx.GraphModule, subs: dict) -> dict[sympy.Symbol, s
     the MoE op) are at most the elements of their input (of its boolean mask, where it has
     one: `x[mask]`), and that is what they are priced at — the largest they can be, so
     such a layer is priced high (a MoE loop: every expert as if it received every route)
-    rather than not at all. A size with no tensor input (from
-    `.item()`) is priced at 1. `subs` maps the batch and sequence symbols; the bounds are
-    in those terms."""
+    rather than not at all. A size with no tensor input (from `.item()`) is priced at 1.
+    `subs` maps the batch and sequence symbols; the bounds are in those terms."""
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
     out: dict[sympy.Symbol, sympy.Expr] = {}
