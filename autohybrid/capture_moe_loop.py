@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .graph import AH_ROLE, VAL, fake_mode, new_node, op_name
+from .graph import VAL, fake_mode, is_param, new_node, op_name
 from .ops.moe import moe_experts  # noqa: F401  (registers autohybrid::moe_experts)
 
 PASS = "capture_moe_loop"
@@ -107,30 +107,27 @@ def stacked_experts(node: fx.Node) -> bool:
     rank's capture, which keeps no pass marks): every rank holds every expert's
     parameters, expert parallelism computes its slice of the stacks, tensor parallelism
     cannot cut them."""
-    def param(n) -> bool:
-        return isinstance(n, fx.Node) and n.op == "placeholder" \
-            and n.meta.get(AH_ROLE) == "param"
-
     def stacked(w, parts) -> bool:
         return isinstance(w, fx.Node) and op_name(w) == "aten.stack.default" \
             and all(parts(p) for p in w.args[0])
 
     gate_up, down = node.args[3:5]
     return stacked(gate_up, lambda p: op_name(p) == "aten.cat.default"
-                   and all(param(q) for q in p.args[0])) and stacked(down, param)
+                   and all(is_param(q) for q in p.args[0])) and stacked(down, is_param)
 
 
 def drop_unused_symbols(ep) -> None:
     """Forget the range constraints of the data-dependent sizes a fold removed from the
     graph of exported program `ep` (the serializer warns of each, capture_wire.py)."""
     from torch.fx.experimental.symbolic_shapes import free_symbols
+    from torch.utils._sympy.symbol import SymT, symbol_is_type
     used = set()
     for node in ep.graph_module.graph.nodes:
         value = node.meta.get(VAL)
         if isinstance(value, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
             used |= free_symbols(value)
     for symbol in [s for s in ep.range_constraints if s not in used
-                   and str(s).startswith("u")]:
+                   and symbol_is_type(s, (SymT.UNBACKED_INT, SymT.UNBACKED_FLOAT))]:
         del ep.range_constraints[symbol]
 
 
@@ -343,8 +340,7 @@ def _linear(node: fx.Node) -> fx.Node:
     if op_name(node) != "aten.linear.default" or len(node.args) > 2 and node.args[2] is not None:
         raise _NoMatch(f"{node.name!r} is not a linear without bias")
     weight = node.args[1]
-    if not (isinstance(weight, fx.Node) and weight.op == "placeholder"
-            and weight.meta.get(AH_ROLE) == "param"):
+    if not is_param(weight):
         raise _NoMatch(f"{node.name!r}: its weight is not a parameter")
     return node
 

@@ -105,6 +105,12 @@ def source_line(node: fx.Node) -> str:
     return trace[-1].strip() if trace else ""
 
 
+def is_param(node: Any) -> bool:
+    """Whether `node` is a parameter's placeholder."""
+    return isinstance(node, fx.Node) and node.op == "placeholder" \
+        and node.meta.get(AH_ROLE) == "param"
+
+
 def placeholders(gm: fx.GraphModule, role: str | None = None) -> list[fx.Node]:
     nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return [n for n in nodes if role is None or n.meta.get(AH_ROLE) == role]

@@ -45,7 +45,8 @@ import torch.fx as fx
 
 from ..errors import PlanError
 from ..capture_moe_loop import stacked_experts
-from ..graph import AH_PARAM, AH_ROLE, VAL, fake_mode, module_path, new_node, schema_args
+from ..graph import (AH_PARAM, VAL, fake_mode, is_param, module_path, new_node,
+                     schema_args)
 from ..ops.moe import tensor_parallel_experts  # (and registers autohybrid::moe_experts)
 from ..program import ShardSpec
 from .manager import PassContext
@@ -96,8 +97,7 @@ def expert_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             continue
         for name in ("gate_up", "down"):
             weight = kw[name]
-            if not (isinstance(weight, fx.Node) and weight.op == "placeholder"
-                    and weight.meta.get(AH_ROLE) == "param"):
+            if not is_param(weight):
                 raise PlanError(f"{what}: the {name} weights of {where} are not a parameter "
                                 f"the op reads directly; {pin}")
             users = [u for u in weight.users if u is not node]
