@@ -40,7 +40,8 @@ PIPELINE_OVERRIDES = {
     "backward_maybe_with_nosync": ("backward_type", "bwd_kwargs", "last_backward"),
     "backward_weight_one_chunk": (),
 }
-PIPELINE_HELPERS = ("_get_grad_fn_or_grad_acc", "construct_reverse_graph", "reverse_closure")
+PIPELINE_HELPERS = ("_get_grad_fn_or_grad_acc", "construct_reverse_graph", "get_param_groups",
+                    "reverse_closure")
 PIPELINE_BWD_KEYS = ("stage_output", "output_grads", "input_values")
 #: pipeline schedule → its class in torch.distributed.pipelining (runtime/pipeline.py)
 PIPELINE_SCHEDULES = {

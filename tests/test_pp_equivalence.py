@@ -565,3 +565,129 @@ def test_a_stage_boundary_a_data_sized_value_would_cross_is_refused():
         torch.testing.assert_close(piped[cap.user_outputs[0]], whole[cap.user_outputs[0]])
         outcomes[boundary] = "split"
     assert set(outcomes.values()) == {"refused", "split"}, outcomes
+
+
+# ============================================================================ split backward
+class _SharedTableBlock(nn.Module):
+    """Attention against a raw table every block reads (DeBERTa's relative-position
+    embeddings: `q(h) @ r.t()`, `softmax(s) @ r`)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.lin, self.q = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, h, r):
+        s = self.q(h) @ r.t()
+        return h + torch.tanh(self.lin(h) + s.softmax(-1) @ r)
+
+
+class SharedTable(nn.Module):
+    def __init__(self, vocab: int = 64, d: int = 16, layers: int = 4):
+        super().__init__()
+        self.emb, self.rel = nn.Embedding(vocab, d), nn.Embedding(8, d)
+        self.blocks = nn.ModuleList(_SharedTableBlock(d) for _ in range(layers))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, x):
+        h, r = self.emb(x), self.rel.weight
+        for b in self.blocks:
+            h = b(h, r)
+        return self.head(h)
+
+
+class TiedCatHead(nn.Module):
+    """MobileBERT's masked-LM head: logits = h @ cat([embedding.weight.t(), extra]) — the
+    tied weight read transposed, so the head's stage computes its gradient transposed."""
+
+    def __init__(self, vocab: int = 64, e: int = 8, d: int = 16):
+        super().__init__()
+        self.emb, self.up = nn.Embedding(vocab, e), nn.Linear(e, d)
+        self.blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
+        self.extra = nn.Parameter(torch.randn(d - e, vocab) * 0.1)
+
+    def forward(self, x):
+        h = self.up(self.emb(x))
+        for b in self.blocks:
+            h = h + torch.tanh(b(h))
+        return h @ torch.cat([self.emb.weight.t(), self.extra], dim=0)
+
+
+@pytest.mark.timeout(60)
+def test_split_backward_is_unsafe_where_a_table_is_read_again_after_other_layers():
+    """torch's weight step runs one autograd.grad per parameter group, freeing what it ran
+    through: with a table read by two blocks, the table's group runs back through the
+    second block's `q` linear (another group's start) and that group's call fails.
+    `split_is_safe` sees it from the graph; one block, or a plain stack, is safe (their
+    stages keep the split backward)."""
+    from autohybrid.runtime.split_backward import split_is_safe
+
+    def stage(layers: int, shared: bool):
+        torch.manual_seed(0)
+        model = SharedTable(layers=layers).double()
+        received = torch.randn(2, 5, 16, dtype=torch.double, requires_grad=True)
+        h, r = received, model.rel.weight
+        for b in model.blocks:
+            h = b(h, r) if shared else b(h, r.detach())
+        return [h.pow(2).sum()], [received], list(model.parameters())
+
+    assert split_is_safe(*stage(1, shared=True))
+    assert not split_is_safe(*stage(2, shared=True))
+    assert not split_is_safe(*stage(3, shared=True))
+    assert split_is_safe(*stage(3, shared=False))
+
+
+def _split_backward_rank(rank: int, world: int) -> list[str]:
+    from transformers import (DebertaV2Config, DebertaV2ForMaskedLM, MobileBertConfig,
+                              MobileBertForMaskedLM)
+
+    vocab, seq = 64, 12
+    g = torch.Generator().manual_seed(100)
+    batches = [((torch.randint(2, vocab, (8, seq), generator=g),),
+                torch.randint(0, vocab, (8, seq), generator=g)) for _ in range(2)]
+
+    def deberta():
+        return DebertaV2ForMaskedLM(DebertaV2Config(
+            vocab_size=vocab, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+            intermediate_size=32, max_position_embeddings=seq, relative_attention=True,
+            pos_att_type=["p2c", "c2p"], position_buckets=8, max_relative_positions=-1,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+    def mobilebert():
+        return MobileBertForMaskedLM(MobileBertConfig(
+            vocab_size=vocab, embedding_size=8, hidden_size=16, num_hidden_layers=2,
+            num_attention_heads=2, intermediate_size=16, intra_bottleneck_size=8,
+            true_hidden_size=8, max_position_embeddings=seq, num_feedforward_networks=2,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+    def logits_loss(out, t):
+        logits = out if isinstance(out, torch.Tensor) else out["logits"]
+        return lm_loss(logits, t)
+
+    fails = Failures()
+    for name, build in (("shared table", SharedTable), ("tied transposed head", TiedCatHead),
+                        ("HF DeBERTa-v2", deberta), ("HF MobileBERT", mobilebert)):
+        for schedule in ("zero-bubble", "zbv"):
+            torch.manual_seed(0)
+            try:
+                train_and_compare(
+                    fails, f"{name} pp2 {schedule}", build().double(), batches, world,
+                    loss_fn=logits_loss, optimizer=OPTIMIZERS["sgd"],
+                    eager_loss=lambda m, i, t: logits_loss(m(i[0]), t),
+                    constraints=ah.Constraints(pp=2, tp=1, schedule=schedule))
+            except PlanError as exc:   # zbv needs two stages per rank
+                fails.check(f"{name} {schedule}: refused ({exc})", schedule == "zbv")
+    return fails
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(300)
+def test_zero_bubble_schedules_train_shared_tables_and_transposed_tied_heads_like_eager():
+    """Found on models the suite did not know (Hugging Face DeBERTa-v2 and MobileBERT,
+    the planner's own pp2 choice for each): DeBERTa's shared relative-position table made
+    torch's weight step fail ("backward through the graph a second time"); MobileBERT's
+    tied embedding, read transposed by its head, got a silently wrong gradient (the head's
+    stage held it transposed, the embedding's row-major, and the all-reduce summing them
+    adds storage, not indices). Now a stage whose split is unsafe runs its backward whole
+    in the input step (runtime/split_backward.py), and a tied gradient is made contiguous
+    before it is summed."""
+    _assert_no_failures(_launch(_split_backward_rank, 2))

@@ -17,7 +17,7 @@ import torch
 import autohybrid as ah
 from autohybrid import features
 from autohybrid.codegen import triton as tgen
-from autohybrid.runtime import pipeline
+from autohybrid.runtime import pipeline, split_backward
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,15 +67,16 @@ def test_this_torch_has_what_the_pipeline_runtime_overrides():
 
 
 def test_overrides_listed_are_the_overrides_made():
-    """Every method `_Stage` overrides and every `_backward` helper pipeline.py imports
-    is one `pipelining_problems` checks."""
+    """Every method `_Stage` overrides and every `_backward` helper pipeline.py and
+    split_backward.py import is one `pipelining_problems` checks."""
     own = {n for n, v in vars(pipeline._Stage).items() if callable(v) and n != "__init__"}
     assert own == set(features.PIPELINE_OVERRIDES)
     for name, leading in features.PIPELINE_OVERRIDES.items():
         params = list(inspect.signature(getattr(pipeline._Stage, name)).parameters)[1:]
         assert params[:len(leading)] == list(leading)
-    tree = ast.parse(inspect.getsource(pipeline))
-    helpers = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+    helpers = {a.name for module in (pipeline, split_backward)
+               for n in ast.walk(ast.parse(inspect.getsource(module)))
+               if isinstance(n, ast.ImportFrom)
                and n.module == "torch.distributed.pipelining._backward" for a in n.names}
     assert helpers == set(features.PIPELINE_HELPERS)
 
@@ -109,7 +110,8 @@ def test_a_torch_missing_a_private_member_is_named():
     problems = features.pipelining_problems(_fake_stage(backward_one_chunk=chunk), _backward)
     assert len(problems) == 1 and "input_values" in problems[0]
     lacking = types.SimpleNamespace(_get_grad_fn_or_grad_acc=_backward._get_grad_fn_or_grad_acc,
-                                    construct_reverse_graph=_backward.construct_reverse_graph)
+                                    construct_reverse_graph=_backward.construct_reverse_graph,
+                                    get_param_groups=_backward.get_param_groups)
     from torch.distributed.pipelining import PipelineStage
     problems = features.pipelining_problems(PipelineStage, lacking)
     assert len(problems) == 1 and "_backward.reverse_closure" in problems[0]

@@ -104,6 +104,24 @@ _HF: dict[str, tuple[str, str, dict, str]] = {
                   dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
                   pad_token_id=0, bos_token_id=1, eos_token_id=2,
                   decoder_start_token_id=2), "labels"),
+    "deberta_v2": ("DebertaV2Config", "DebertaV2ForMaskedLM",
+                   dict(relative_attention=True, pos_att_type=["p2c", "c2p"],
+                        position_buckets=8, max_relative_positions=-1,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+                   "labels"),
+    "mobilebert": ("MobileBertConfig", "MobileBertForMaskedLM",
+                   dict(embedding_size=16, intermediate_size=32, intra_bottleneck_size=16,
+                        true_hidden_size=16, num_feedforward_networks=2,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+                   "labels"),
+    "falcon": ("FalconConfig", "FalconForCausalLM",
+               dict(new_decoder_architecture=True, num_kv_heads=2, alibi=False), "labels"),
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(n_head=4, n_layer=2), "labels"),
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM",
+                    dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, multi_query=True),
+                    "labels"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=8),
+              "labels"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
                 "labels"),
@@ -121,7 +139,16 @@ _NOT_COMMON = {"gpt2": ("hidden_size", "num_hidden_layers", "num_attention_heads
                "t5": ("hidden_size", "num_hidden_layers", "num_attention_heads",
                       "intermediate_size", "max_position_embeddings"),
                "bart": ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                        "intermediate_size")}
+                        "intermediate_size"),
+               "bloom": ("num_hidden_layers", "num_attention_heads", "intermediate_size",
+                         "max_position_embeddings"),
+               "gpt_bigcode": ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                               "max_position_embeddings", "intermediate_size")}
+
+
+#: families without an sdpa attention in transformers (or, T5, whose relative bias is
+#: computed beside it)
+_EAGER_ATTENTION = ("t5", "deberta_v2", "bloom")
 
 
 def have_transformers() -> bool:
@@ -142,7 +169,7 @@ def _hf_model(name: str) -> nn.Module:
         if isinstance(getattr(config, key, None), float):
             setattr(config, key, 0.0)
     config.use_cache = False
-    config._attn_implementation = "eager" if name in ("t5",) else "sdpa"
+    config._attn_implementation = "eager" if name in _EAGER_ATTENTION else "sdpa"
     model = getattr(transformers, model_cls)(config)
     return model.train()
 

@@ -1,13 +1,17 @@
-"""A check that every tensor handed to a collective is on the device the collective takes.
+"""A check that every tensor handed to a collective is on the device the collective takes,
+and contiguous.
 
 NCCL takes CUDA tensors of the rank's own device only: a CPU tensor (a count, a norm, a
 flag made without `device=`) fails the job on the first GPU run, and an object collective
 or barrier runs on `torch.cuda.current_device()`, so a rank whose current device is not
-its own blocks another rank's GPU. On CPU with gloo neither shows. `enable()` wraps the
+its own blocks another rank's GPU. On CPU with gloo neither shows. Nor does a
+non-contiguous tensor: gloo reduces its storage in memory order, so a gradient transposed
+on one rank and row-major on another sums mismatched elements without a word (NCCL
+refuses it: "Tensors must be contiguous"). `enable()` wraps the
 `torch.distributed` functions autohybrid calls (its own modules look them up at each call:
 `dist.all_reduce`, `ops.groups.all_gather_single`, torch's pipelining schedules' P2P
 ops) with a check that raises `RuntimeFailure` naming the collective, the tensor's device
-and the expected one, before the collective runs:
+and the expected one (or its strides), before the collective runs:
 
     from autohybrid.runtime import device_check
     device_check.enable(torch.device("cuda", 0))   # or None: the compiled model's device
@@ -77,6 +81,13 @@ class _Checked:
                         f"on {expected}, the compiled model's device (NCCL fails on any "
                         "other). Make the tensor with device= (runtime/comm_device.py "
                         "comm_device(group)) or move it there before the collective")
+                if not _dense(t):
+                    raise RuntimeFailure(
+                        f"torch.distributed.{self._name} was handed a non-contiguous tensor "
+                        f"(shape {tuple(t.shape)}, strides {t.stride()}); gloo reads and "
+                        "reduces its storage in memory order, so ranks whose tensors have "
+                        "other strides combine different elements (a silently wrong sum), "
+                        "and NCCL refuses it. Pass a contiguous tensor (.contiguous())")
         elif expected.type == "cuda" and _is_nccl(group):
             current = torch.device("cuda", torch.cuda.current_device())
             if not _same(current, expected):
@@ -109,6 +120,14 @@ def _expected(group: Any) -> torch.device:
 def _same(device: torch.device, expected: torch.device) -> bool:
     return device.type == expected.type and (expected.index is None
                                              or device.index == expected.index)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Contiguous in its memory format (NCCL's test: row-major, or channels-last where
+    the strides say so)."""
+    return t.is_contiguous() or t.dim() == 4 and t.is_contiguous(
+        memory_format=torch.channels_last) or t.dim() == 5 and t.is_contiguous(
+        memory_format=torch.channels_last_3d)
 
 
 def _is_nccl(group: Any) -> bool:

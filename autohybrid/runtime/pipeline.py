@@ -38,6 +38,7 @@ op's backward made; gloo and NCCL send contiguous tensors only).
 """
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 from typing import Any, Sequence
 
@@ -55,7 +56,10 @@ from ..ops.zero import release_gathered
 from ..plan import Plan
 from ..program import PipelineSplit, StageGraph
 from . import whole_batch
+from .split_backward import split_is_safe
 from .timeouts import new_group
+
+log = logging.getLogger(__name__)
 
 #: schedule → its class (None where this torch lacks it: features.check_pipelining says so)
 SCHEDULE_CLASSES = {name: getattr(tpp, cls, None) for name, cls in PIPELINE_SCHEDULES.items()}
@@ -114,11 +118,17 @@ class _Stage(tpp.PipelineStage):
     `stage_backward_weight`) on every stage but the first, so no post-accumulate-grad hook
     fires; on the first stage it runs the full backward, which fires them. The listener's
     `weight_step(params)` mutes the hooks inside and reports every parameter of the stage
-    once after the step, the same way in both cases."""
+    once after the step, the same way in both cases.
+
+    A stage whose graph torch's split backward would get wrong (`_split_safe`,
+    runtime/split_backward.py: a parameter group's weight step running through another
+    group's nodes) runs its backward whole in the input step instead and leaves the
+    weight step no parameter group."""
 
     def __init__(self, *args: Any, runner: "PipelineRunner", **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._runner = runner
+        self._safe: bool | None = None   # `_split_safe(self)`, once known
 
     def backward_one_chunk(self, *args: Any, **kwargs: Any):
         out = super().backward_one_chunk(*args, **kwargs)
@@ -127,6 +137,16 @@ class _Stage(tpp.PipelineStage):
 
     def backward_maybe_with_nosync(self, backward_type: str, bwd_kwargs: dict,
                                    last_backward: bool = False, *args: Any, **kwargs: Any):
+        if backward_type == "input" and not _split_safe(self, bwd_kwargs):
+            # torch's weight step would run nodes twice (runtime/split_backward.py): the
+            # whole backward now, as 1F1B runs it, and no parameter group left for later
+            outputs, output_grads = bwd_kwargs["stage_output"], bwd_kwargs["output_grads"]
+            if output_grads is None and isinstance(outputs, tuple) and len(outputs) == 1:
+                outputs = outputs[0]   # the last stage's loss (torch's full step takes it bare)
+            grads, _ = super().backward_maybe_with_nosync(
+                "full", {**bwd_kwargs, "stage_output": outputs}, last_backward, *args, **kwargs)
+            return tuple(g.contiguous() if isinstance(g, torch.Tensor) else g
+                         for g in grads), []
         if backward_type == "input":  # the split backward's input step (zero-bubble)
             _param_only_grads(bwd_kwargs["stage_output"], bwd_kwargs["output_grads"],
                               bwd_kwargs["input_values"], list(self.submod.parameters()))
@@ -146,6 +166,19 @@ class _Stage(tpp.PipelineStage):
             out = super().backward_weight_one_chunk(*args, **kwargs)
             self._runner.backward_done += 1
         return out
+
+
+def _split_safe(stage: _Stage, bwd_kwargs: dict) -> bool:
+    """Whether torch's split backward is right for `stage`'s graph (decided at its first
+    input step; the graph is the same for every microbatch)."""
+    if stage._safe is None:
+        stage._safe = split_is_safe(bwd_kwargs["stage_output"], bwd_kwargs["input_values"],
+                                    stage.submod.parameters())
+        if not stage._safe:
+            log.info("stage %d: a parameter's gradient paths run through other parameters' "
+                     "layers; its backward runs whole in the input step "
+                     "(runtime/split_backward.py)", stage.stage_index)
+    return stage._safe
 
 
 def _param_only_grads(outputs: Sequence[Any], output_grads: Sequence[Any] | None,
@@ -254,6 +287,11 @@ class PipelineRunner:
                 continue
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
+            elif not param.grad.is_contiguous():
+                # a zero-bubble weight step assigns autograd's result as it comes (a head
+                # reading `weight.t()` leaves it transposed) while the embedding's stage
+                # has it row-major; the all-reduce sums storage, not indices
+                param.grad = param.grad.contiguous()
             dist.all_reduce(param.grad, group=group)
 
     # ------------------------------------------------------------------ schedules

@@ -104,7 +104,7 @@ def check_collectives(fails: Failures, cluster: ah.Cluster, rank: int,
                     all(torch.equal(a, b) for a, b in zip(tensors, expected)))
         # a 2-d, non-contiguous tensor
         t = _values(rank, 35, torch.float64, 3).view(5, 7).t()
-        expected = t.clone()
+        expected = t.contiguous()   # (collectives take contiguous tensors: NCCL's rule)
         dist.all_reduce(expected)
         collectives.hierarchical_all_reduce(t, h, segments)
         fails.check(f"{name}: non-contiguous tensor differs", torch.equal(t, expected))
