@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from .capture import CapturedGraph
-from .graph import AH_PARAM, AH_ROLE, op_name
+from .graph import AH_PARAM, is_param, op_name
 from .plan import Plan
 from .search.sharding import TensorParallelLayout
 
@@ -244,7 +244,7 @@ class RankProgram:
         """Canonical names of the parameters this rank's graphs read."""
         return {node.meta.get(AH_PARAM, node.name) for gm in self.graphs().values()
                 for node in gm.graph.nodes
-                if node.op == "placeholder" and node.meta.get(AH_ROLE) == "param"}
+                if is_param(node)}
 
     def collectives(self) -> dict[str, int]:
         """autohybrid ops in the rank's graphs (recomputed regions included), by name."""

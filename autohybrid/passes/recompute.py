@@ -52,7 +52,7 @@ import torch
 import torch.fx as fx
 from torch._ops import HigherOrderOperator
 
-from ..graph import AH_PASS, AH_ROLE, VAL, op_name
+from ..graph import AH_PASS, VAL, is_param, op_name
 from ..search.layers import is_block, segment
 from .manager import PassContext
 
@@ -105,8 +105,7 @@ def regions(gm: fx.GraphModule, mode: str) -> list[list[fx.Node]]:
 def _reads_param(nodes) -> bool:
     """A region worth checkpointing computes on parameters (not a batch-only mask that a
     pipeline stage recomputes anyway)."""
-    return any(a.op == "placeholder" and a.meta.get(AH_ROLE) == "param"
-               for n in nodes for a in n.all_input_nodes)
+    return any(is_param(a) for n in nodes for a in n.all_input_nodes)
 
 
 def checkpoint_regions(gm: fx.GraphModule, mode: str) -> int:

@@ -32,7 +32,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..graph import AH_ROLE, VAL, fake_mode, new_node
+from ..graph import VAL, fake_mode, is_param, new_node
 from ..ops.zero import chunk, zero_gather_start_op, zero_gather_wait_op
 from ..search.layers import gather_groups, segment
 from .manager import PassContext
@@ -48,7 +48,7 @@ def zero(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     mode = fake_mode(gm)
     whole: dict[fx.Node, torch.Tensor] = {}
     for node in gm.graph.nodes:
-        if node.op == "placeholder" and node.meta.get(AH_ROLE) == "param":
+        if is_param(node):
             full = node.meta[VAL]
             whole[node] = full
             with mode:

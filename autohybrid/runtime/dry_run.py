@@ -59,7 +59,7 @@ from ..capture import CapturedGraph, as_tuple, capture
 from ..cluster import Cluster
 from ..cost.memory import dtype_bytes, training_state
 from ..errors import AutohybridError, NoPlanFitsError, NotExecutableError, PlanError
-from ..graph import AH_PARAM, AH_ROLE, VAL, op_name, schema_args
+from ..graph import AH_PARAM, VAL, is_param, op_name, schema_args
 from ..passes.expert_parallel import moe_nodes
 from ..passes.fusion import inline_where_eager
 from ..plan import Constraints, Plan
@@ -227,7 +227,7 @@ def _params(gm: fx.GraphModule) -> dict[str, fx.Node]:
     """Parameter placeholders by canonical name (a tied parameter once)."""
     out: dict[str, fx.Node] = {}
     for node in gm.graph.nodes:
-        if node.op == "placeholder" and node.meta.get(AH_ROLE) == "param":
+        if is_param(node):
             out.setdefault(node.meta.get(AH_PARAM, node.name), node)
     return out
 

@@ -36,7 +36,7 @@ def split_is_safe(outputs: Sequence[Any], inputs: Sequence[Any],
     """Whether torch's weight step over this stage's graph (outputs `outputs`, received
     `inputs`, parameters `params`) runs each autograd node in one parameter group only."""
     from torch.distributed.pipelining._backward import (
-        _get_grad_fn_or_grad_acc, construct_reverse_graph, get_param_groups)
+        _get_grad_fn_or_grad_acc, construct_reverse_graph, get_param_groups, reverse_closure)
 
     def fns(tensors: Iterable[Any]) -> list:
         return [f for t in tensors if isinstance(t, torch.Tensor)
@@ -49,25 +49,13 @@ def split_is_safe(outputs: Sequence[Any], inputs: Sequence[Any],
     intermediate_of = {n: i for i, g in enumerate(groups) for n in g["intermediates"]}
     owner: dict[Any, int] = {}
     for i, group in enumerate(groups):
-        reaches = _upstream(group["params"], consumers)
+        # the nodes from which one of its parameters is reachable: theirs, their
+        # consumers', … up to the outputs
+        reaches, _ = reverse_closure(list(group["params"]), set(), consumers)
         for node in _run_by(group["intermediates"], reaches):
             if intermediate_of.get(node, i) != i or owner.setdefault(node, i) != i:
                 return False
     return True
-
-
-def _upstream(params: Iterable[Any], consumers: dict) -> set:
-    """The nodes from which one of `params`' accumulators is reachable (the parameters'
-    consumers, theirs, … up to the outputs)."""
-    seen: set = set()
-    queue = deque(params)
-    while queue:
-        node = queue.popleft()
-        if node in seen:
-            continue
-        seen.add(node)
-        queue.extend(consumers.get(node, ()))
-    return seen
 
 
 def _run_by(starts: Iterable[Any], reaches: set) -> set:

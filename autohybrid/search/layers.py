@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..graph import AH_ROLE, MODULE_STACK, VAL, op_name
+from ..graph import AH_ROLE, MODULE_STACK, VAL, is_param, op_name
 
 _INDEX = re.compile(r"\.\d+$")
 
@@ -40,7 +40,7 @@ class Layer:
         seen: dict[str, fx.Node] = {}
         for node in self.nodes:
             for arg in node.all_input_nodes:
-                if arg.op == "placeholder" and arg.meta.get(AH_ROLE) == "param":
+                if is_param(arg):
                     seen.setdefault(arg.name, arg)
         return list(seen.values())
 

@@ -20,7 +20,7 @@ from ..capture_moe_loop import stacked_experts
 from ..cost.compute import (MATMUL_OPS, MOE_EXPERTS, _tensors, bytes_moved, extra_saved_bytes,
                             forward_flops, nbytes_expr,
                             grad_nodes, numel_expr, saved_nodes, sym_expr)
-from ..graph import AH_PARAM, AH_ROLE, VAL, VIEW_OPS, op_name
+from ..graph import AH_PARAM, AH_ROLE, VAL, VIEW_OPS, is_param, op_name
 from ..ops.moe import tensor_parallel_experts
 from .layers import Layer, segment
 from .sharding import R, TensorParallelLayout, param_key
@@ -189,7 +189,7 @@ def profile(gm: fx.GraphModule, dim_roles: dict[sympy.Symbol, str],
                                    num_ops, values, collectives, sp_region, gemms,
                                    gemm_shapes))
     unique = {n.meta.get(AH_PARAM, n.name): n.meta[VAL].numel() for n in gm.graph.nodes
-              if n.op == "placeholder" and n.meta.get(AH_ROLE) == "param"}
+              if is_param(n)}
     heads, kv_heads = _heads(gm)
     moe = [n for n in gm.graph.nodes if op_name(n) == MOE_EXPERTS]
     return ModelProfile(layers, layout, sum(unique.values()), heads, kv_heads, layout.vocab,
