@@ -88,8 +88,9 @@ class BatchSpec:
         if len(tensors) != len(self.slots):
             return None  # counted by the caller, which names inputs and targets
         binding: dict[Any, int] = {}
+        bound_by: dict[Any, str] = {}   # symbol → the tensor and dim that bound it
         for slot, t in zip(self.slots, tensors):
-            why = _slot_problem(slot, t, binding)
+            why = _slot_problem(slot, t, binding, bound_by)
             if why:
                 return why
         why = self._lookup_problem(tensors, binding)
@@ -162,7 +163,8 @@ def _arange_from_zero(node: fx.Node) -> bool:
     return node.target is _ARANGES[0] or (len(node.args) >= 2 and node.args[0] == 0)
 
 
-def _slot_problem(slot: _Slot, t: torch.Tensor, binding: dict) -> str | None:
+def _slot_problem(slot: _Slot, t: torch.Tensor, binding: dict, bound_by: dict
+                  ) -> str | None:
     got, want = t.dtype, slot.dtype
     if got.is_floating_point != want.is_floating_point or (got == torch.bool) != (
             want == torch.bool) or (want.is_floating_point and got != want):
@@ -183,10 +185,14 @@ def _slot_problem(slot: _Slot, t: torch.Tensor, binding: dict) -> str | None:
                         f"model was compiled for {want_size} (shape {compiled}, * any size)")
             continue
         if want_size in binding and binding[want_size] != size:
+            batch = ("; dim 0 of every input and target is the batch, one sample a row"
+                     if d == 0 else "")
             return (f"{slot.what} has size {size} in dim {d} (shape {shape}) but the graph "
-                    f"needs it equal to another tensor's {binding[want_size]} there (one "
-                    "symbolic size in the captured graph): pass tensors of matching sizes")
+                    f"needs it equal to {bound_by[want_size]}, {binding[want_size]} (one "
+                    f"symbolic size in the captured graph{batch}): pass tensors of "
+                    "matching sizes")
         binding[want_size] = size
+        bound_by.setdefault(want_size, f"dim {d} of {slot.what}")
     return None
 
 

@@ -141,8 +141,10 @@ class _WithLoss(nn.Module):
         self.loss_fn = loss_fn.loss_fn if self.stats is not None else loss_fn
         self.num_inputs = num_inputs
         self.target_kwarg = target_kwarg(model)
+        self.same_batch: tuple[int, ...] = ()   # see _one_batch
 
     def forward(self, *args: torch.Tensor) -> Any:
+        _one_batch(args, self.same_batch)
         inputs, targets = args[: self.num_inputs], args[self.num_inputs:]
         target = targets[0] if len(targets) == 1 else tuple(targets)
         if self.loss_fn is not None:
@@ -163,13 +165,40 @@ class _ForwardOnly(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
+        self.same_batch: tuple[int, ...] = ()   # see _one_batch
 
     def forward(self, *inputs: torch.Tensor) -> Any:
+        _one_batch(inputs, self.same_batch)
         out = self.model(*inputs)
         if hasattr(out, "to_tuple") and hasattr(out, "items"):  # Hugging Face ModelOutput:
             # keep its tensors (logits, ...), drop caches export cannot return
             return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
         return out
+
+
+def _batch_group(args: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    """The positions of the tensors whose dim 0 is as long as the first's (the batch the
+    runtime splits them into alike), when there are two or more."""
+    group = tuple(i for i, t in enumerate(args) if t.shape[0] == args[0].shape[0])
+    return group if len(group) > 1 else ()
+
+
+def _one_batch(args: Sequence[torch.Tensor], group: tuple[int, ...]) -> None:
+    """Tell the trace that the tensors of `group` (`_batch_group`) have one batch size.
+
+    Each input's dim 0 is its own Dim.AUTO, so without this export gives each its own
+    symbol unless the model happens to combine them, and an op that reads one tensor's
+    rows at positions counted from another's batch (Hugging Face's causal mask indexes
+    the padding mask by `arange(batch)` of the token ids) mixes two symbols the proof of
+    passes/batch_flow.py cannot equate: every dp plan was refused. The runtime splits
+    every input and target along dim 0 into the same samples, and BatchSpec checks each
+    batch against the graph's symbols (one symbol: one size), so the fact holds wherever
+    the graph runs. `torch._check` makes the sizes one symbol (a guard, no graph node);
+    unlike a shared named Dim, it leaves Dim.AUTO free to specialize the batch size or
+    relate other dims to it (targets flattened to batch·seq)."""
+    first = args[group[0]].shape[0] if group else None
+    for i in group[1:]:
+        torch._check(args[i].shape[0] == first)
 
 
 def _extract_loss(out: Any) -> torch.Tensor:
@@ -201,7 +230,8 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
             autocast: torch.dtype | None = None) -> CapturedGraph:
     """Capture `model` (with `loss_fn` when `with_loss`) as an ATen training-IR graph.
 
-    Dim 0 of every input and target is the batch dim; dim 1 of integer inputs with two or
+    Dim 0 of every input and target is the batch dim (one symbol for all whose dim 0 is
+    as long as the first input's: `_one_batch`); dim 1 of integer inputs with two or
     more dims is the sequence dim; both are symbolic in the graph. `autocast` (mixed
     precision): capture under `torch.autocast` to that dtype, as eager would run; the
     graph keeps autocast's dtypes in its fake values and `run` applies autocast again
@@ -215,6 +245,7 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
         return cached
     wrapper = _WithLoss(model, loss_fn, len(inputs)) if with_loss else _ForwardOnly(model)
     args = (*inputs, *targets)
+    wrapper.same_batch = _batch_group(args)
     dynamic = tuple(_dynamic_dims(t) for t in args)
     context = (torch.autocast(device_type=args[0].device.type, dtype=autocast)
                if autocast is not None else contextlib.nullcontext())

@@ -3,7 +3,8 @@
 Each model of `autohybrid.models.coverage` (Hugging Face architectures from tiny
 configs, torch-native LSTM / GRU / nn.Transformer / nn.MultiheadAttention models) is
 compiled for 2 local ranks under the planner's unconstrained choice and pinned dp=2,
-tp=2 and pp=2, trained 3 SGD steps beside an eager
+tp=2 and pp=2, and dp=2 and pp=2 with one sample per microbatch (dp2x2, pp2x4), trained
+3 SGD steps beside an eager
 copy, and compared: losses, gathered gradients and parameters after every step. A cell
 is
 
@@ -43,6 +44,9 @@ PLANS: dict[str, ah.Constraints | None] = {
     "dp2": ah.Constraints(dp=2, tp=1, pp=1),
     "tp2": ah.Constraints(dp=1, tp=2, pp=1),
     "pp2": ah.Constraints(dp=1, tp=1, pp=2),
+    # microbatched: a sample per microbatch (the batches hold 4)
+    "dp2x2": ah.Constraints(dp=2, tp=1, pp=1, num_microbatches=2),
+    "pp2x4": ah.Constraints(dp=1, tp=1, pp=2, num_microbatches=4),
 }
 STEPS = 3
 

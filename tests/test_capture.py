@@ -17,6 +17,7 @@ import sys
 import time
 
 import pytest
+import sympy
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -334,6 +335,75 @@ def test_symbolic_trace_fallback_for_a_model_export_rejects() -> None:
         else:
             torch.testing.assert_close(cap.run(cap.default_state(model), (x2,)), model(x2))
     assert "scale" not in dict(model.named_buffers())  # the model itself is unchanged
+
+
+class _RowsOf(nn.Module):
+    """Reads rows of its second input at positions counted from the first's batch (as
+    Hugging Face's causal mask indexes the padding mask by `arange(batch)` of the ids)."""
+
+    def __init__(self, fixed_batch: int | None = None):
+        super().__init__()
+        self.lin = nn.Linear(6, 4)
+        self.fixed_batch = fixed_batch
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        rows = torch.arange(x.shape[0] if self.fixed_batch is None else self.fixed_batch)
+        out = self.lin(x) * mask[rows].unsqueeze(-1)
+        return out if self.fixed_batch is None else out.view(self.fixed_batch, -1)
+
+
+def _batch_sizes(cap: CapturedGraph) -> list:
+    """Dim 0 of each input and target: an int, or the symbol (after the ShapeEnv's
+    replacements) its size is."""
+    sizes = [n.meta["val"].shape[0] for n in placeholders(cap.gm)
+             if n.meta[AH_ROLE] in ("input", "target")]
+    return [s.node.expr if isinstance(s, torch.SymInt) else s for s in sizes]
+
+
+@pytest.mark.timeout(60)
+def test_inputs_and_targets_of_one_batch_size_share_one_batch_symbol() -> None:
+    """Tensors whose dim 0 is as long as the first input's get one symbol (the runtime
+    splits them into the same samples): an op reading one's rows by positions counted from
+    another's stays provably per-sample; a tensor of another length is free to relate to
+    it (targets of batch·seq rows); a model that fixes the batch size is captured as
+    before (Dim.AUTO specializes it)."""
+    torch.manual_seed(0)
+    x, mask, y = torch.randn(4, 3, 6), torch.randint(0, 2, (4, 3)), torch.randn(4, 3, 4)
+    model = _RowsOf()
+    cap = capture(model, (x, mask), F.mse_loss, (y,))
+    sizes = _batch_sizes(cap)
+    assert isinstance(sizes[0], sympy.Symbol) and len(set(sizes)) == 1
+    assert _symbols(cap, "batch") == [sizes[0]]
+    x2, mask2, y2 = torch.randn(5, 3, 6), torch.randint(0, 2, (5, 3)), torch.randn(5, 3, 4)
+    torch.testing.assert_close(cap.run(cap.default_state(model), (x2, mask2), (y2,)),
+                               F.mse_loss(model(x2, mask2), y2))
+
+    flat = capture(model, (x, mask), lambda out, t: F.mse_loss(out.flatten(0, 1), t),
+                   (torch.randn(12, 4),))       # targets [batch·seq, 4]: not one sample a row
+    sizes = _batch_sizes(flat)
+    assert sizes[0] == sizes[1] and sizes[2] == 3 * sizes[0]
+
+    fixed = capture(_RowsOf(fixed_batch=4), (x, mask), F.mse_loss, (torch.randn(4, 12),))
+    assert _batch_sizes(fixed) == [4, 4, 4] and fixed.method == "export"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_padded_hugging_face_batch_is_proven_per_sample() -> None:
+    """Llama fed token ids and their padding mask (its causal mask indexes the padding
+    mask by `arange(batch)` of the ids): dp and microbatching are proven to give eager's
+    result, so the planner offers them (session 33 found every such plan refused)."""
+    pytest.importorskip("transformers")
+    from autohybrid.models import coverage
+
+    case = coverage.build("llama_padded")
+    (inputs, targets) = case.batches[0]
+    for constraints in (ah.Constraints(dp=2, tp=1, pp=1),
+                        ah.Constraints(dp=1, tp=1, pp=2, num_microbatches=4)):
+        plan = ah.plan(case.model, ah.Cluster.local(2), inputs, example_targets=targets,
+                       constraints=constraints, executable_only=True)
+        assert plan.executable and (plan.mesh.dp, plan.num_microbatches) == (
+            constraints.dp, constraints.num_microbatches or 1)
 
 
 # --------------------------------------------------------------------------- errors

@@ -10,6 +10,7 @@ raises on every rank instead of leaving the others waiting.
 from __future__ import annotations
 
 import pytest
+import sympy
 import torch
 import torch.nn as nn
 
@@ -128,7 +129,10 @@ def test_a_loaded_graph_of_sliced_inputs_knows_their_stride_symbols():
                for s in st.node.expr.free_symbols}
     assert strides and strides <= set(got.var_to_range)    # the case this test is about
     assert capture_wire.symbol_ranges(loaded.gm) == capture_wire.symbol_ranges(exported.gm)
-    assert set(got.get_axioms()) == set(sent.get_axioms())
+    # the sender's guards over the symbols its graph holds: one a guard replaced by
+    # another (the inputs' and targets' one batch, capture._one_batch) no value holds
+    assert {got.replace(a) for a in got.get_axioms()} == \
+        {sent.replace(a) for a in sent.get_axioms()} - {sympy.true}
     assert _programs(loaded, [plan]) == _programs(exported, [plan])
     payload = pickle.loads(data)
     payload["shape_facts"]["ranges"] = {}

@@ -26,6 +26,10 @@ CELLS = [
     ("gru", "tp2"),           # E7 recurrent model under tp
     ("bart", "pp2"),          # tied embeddings / shifted labels across pipeline stages
     ("transformer", "pp2"),   # nn.Transformer encoder-decoder across stages
+    # a padding mask read by rows of the ids' batch (every dp plan was refused before),
+    # shards and microbatches holding different numbers of real tokens
+    ("llama_padded", "dp2x2"),
+    ("bert_padded", "pp2x4"),
 ]
 
 

@@ -7,7 +7,9 @@ modules (LSTM, GRU, `nn.Transformer`, `nn.MultiheadAttention`). Each entry gives
 `Case`: the model (float64, dropout off, so compiled and eager runs can be compared
 exactly; `dtype=torch.float32` as users run them), a few global batches, and how its loss is computed — either `loss_fn` over the
 model's output or, for Hugging Face models trained with `labels=`, the model's own
-`.loss` (`loss_fn=None`).
+`.loss` (`loss_fn=None`). The `<family>_padded` entries (`PADDED`) feed a family
+right-padded batches as users train on them: token ids and their attention mask, labels
+-100 where the mask pads, rows of different lengths.
 
 Example::
 
@@ -179,6 +181,42 @@ def _hf_case(name: str) -> Case:
     return Case(name, model, _lm_batches(), loss_fn=None)
 
 
+class Padded(nn.Module):
+    """A Hugging Face model fed its token ids and padding mask by position (`ah.compile`
+    passes example_inputs positionally, and not every family takes the mask second)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                labels: torch.Tensor | None = None) -> Any:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
+#: padded batches' sequence lengths per step (right padding; a batch split in two gives
+#: its halves different numbers of real tokens, so a loss averaged over a shard's own
+#: tokens would differ from the whole batch's)
+_LENGTHS = ((SEQ, 5, 3, 7), (6, SEQ, 2, SEQ), (4, 4, SEQ, 1))
+
+
+def _padded_batches(steps: int = 3) -> list:
+    """(ids, mask) and labels, -100 (ignored) where the mask pads."""
+    out = []
+    for step in range(steps):
+        tokens = _tokens(100 + step)
+        positions = torch.arange(SEQ)
+        mask = torch.stack([(positions < n).long() for n in _LENGTHS[step % len(_LENGTHS)]])
+        labels = _tokens(200 + step).masked_fill(mask == 0, -100)
+        out.append(((tokens, mask), labels))
+    return out
+
+
+def _padded_case(name: str) -> Case:
+    return Case(f"{name}{PADDED_SUFFIX}", Padded(_hf_model(name)), _padded_batches(),
+                loss_fn=None)
+
+
 # ----------------------------------------------------------------------------- torch-native
 class RNNLM(nn.Module):
     """Token embedding → LSTM/GRU → vocabulary projection (a classic language model)."""
@@ -282,7 +320,12 @@ def _native_case(name: str) -> Case:
 
 NATIVE = ("lstm", "gru", "transformer_lm", "transformer", "mha")
 HF = tuple(_HF)
-ALL = HF + NATIVE
+#: "<family>_padded": the family fed right-padded batches with their attention mask
+PADDED_SUFFIX = "_padded"
+PADDED = tuple(f"{name}{PADDED_SUFFIX}" for name in
+               ("llama", "mistral", "gemma", "qwen2", "gpt2", "opt", "bert", "t5", "bart",
+                "falcon", "gpt_neox"))
+ALL = HF + NATIVE + PADDED
 
 
 def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float64) -> Case:
@@ -290,6 +333,8 @@ def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float64) -> Case:
     torch.manual_seed(seed)
     if name in _HF:
         case = _hf_case(name)
+    elif name in PADDED:
+        case = _padded_case(name.removesuffix(PADDED_SUFFIX))
     elif name in NATIVE:
         case = _native_case(name)
     else:
