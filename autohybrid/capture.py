@@ -29,7 +29,7 @@ import torch.nn as nn
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from . import capture_cache, capture_wire
+from . import capture_cache, capture_functions, capture_wire
 from .capture_blocks import export_by_blocks
 from .capture_moe import routed_experts
 from .capture_moe_loop import drop_unused_symbols, fold_expert_loops
@@ -176,6 +176,10 @@ class _ForwardOnly(nn.Module):
         return out
 
 
+def _first(out: Any) -> Any:
+    return out[0] if isinstance(out, tuple) else out
+
+
 def _batch_group(args: Sequence[torch.Tensor]) -> tuple[int, ...]:
     """The positions of the tensors whose dim 0 is as long as the first's (the batch the
     runtime splits them into alike), when there are two or more."""
@@ -251,12 +255,17 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
                if autocast is not None else contextlib.nullcontext())
     # a model run without targets whose forward takes them (labels=...) may need them
     missing = target_kwarg(model) if not targets else None
-    with context, routed_experts(model):
+    with context, routed_experts(model), capture_functions.recording() as applied:
         # a model of repeated blocks: export a few, replicate them (capture_blocks.py)
         ep, method = export_by_blocks(wrapper, args, dynamic), "export"
         if ep is None:
             ep, method = _export_with_fallback(wrapper, model, args, dynamic, missing)
     cap = _finish(ep, model, method, inputs, targets, with_loss, autocast)
+    if with_loss:   # custom autograd.Functions: the graph lost their backward
+        with context:
+            capture_functions.check_backward(
+                model, lambda: _first(wrapper(*args)),
+                lambda: _first(cap.run(cap.default_state(model), inputs, targets)), applied)
     capture_cache.store(key, cap)
     return cap
 

@@ -406,6 +406,70 @@ def test_a_padded_hugging_face_batch_is_proven_per_sample() -> None:
             constraints.dp, constraints.num_microbatches or 1)
 
 
+class _GradReverse(torch.autograd.Function):
+    """A gradient-reversal layer (domain-adversarial training): identity forward, its
+    backward not the forward's derivative."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -0.5 * grad
+
+
+class _FusedTanh(torch.autograd.Function):
+    """A hand-written backward that is the forward's derivative (as fused kernels are)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.tanh(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        return grad * (1 - y * y)
+
+
+class _WithFunction(nn.Module):
+    def __init__(self, function: type):
+        super().__init__()
+        self.fc1, self.fc2, self.bn = nn.Linear(8, 16), nn.Linear(16, 3), nn.BatchNorm1d(16)
+        self.function = function
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.function.apply(self.bn(self.fc1(x))))
+
+
+@pytest.mark.timeout(60)
+def test_a_custom_autograd_function_whose_backward_is_not_its_derivative_is_refused():
+    """torch.export keeps a Function's forward and drops its backward: a gradient-reversal
+    layer trained silently wrong under every plan (gradient ×-2 below it). Capture checks
+    the graph's gradients against eager's and refuses where they differ, naming the
+    Function; one whose backward is the derivative is captured (its running statistics
+    left as they were), and on the meta device the check cannot run: refused."""
+    torch.manual_seed(0)
+    x, y = torch.randn(6, 8), torch.randint(0, 3, (6,))
+    with pytest.raises(ah.CaptureError, match=r"(?s)_GradReverse.*fc1\.(weight|bias).*"
+                                              r"custom_op with register_autograd"):
+        capture(_WithFunction(_GradReverse), (x,), F.cross_entropy, (y,))
+    model = _WithFunction(_FusedTanh)
+    before = copy.deepcopy(model.bn.state_dict())
+    cap = capture(model, (x,), F.cross_entropy, (y,))
+    for key, value in model.bn.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+    x2, y2 = torch.randn(5, 8), torch.randint(0, 3, (5,))
+    torch.testing.assert_close(cap.run(cap.default_state(copy.deepcopy(model)), (x2,), (y2,)),
+                               F.cross_entropy(copy.deepcopy(model)(x2), y2))
+    with torch.device("meta"):
+        on_meta = _WithFunction(_FusedTanh)
+    with pytest.raises(ah.CaptureError, match="meta device"):
+        capture(on_meta, (x,), F.cross_entropy, (y,))
+
+
 # --------------------------------------------------------------------------- errors
 
 

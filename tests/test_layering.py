@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("models", ("models",)),
     ("capture", ("capture", "capture_cache", "capture_blocks", "capture_probe",
                  "capture_splice", "capture_wire", "capture_moe", "capture_moe_loop",
-                 "batch_spec",
+                 "capture_functions", "batch_spec",
                  "sample_stats")),
     ("cost", ("cost",)),
     ("search", ("search",)),

@@ -359,14 +359,19 @@ class WhereMoE(nn.Module):
 
 
 PER_SAMPLE = {"moe_per_token_dispatch": TokenMoE, "causal_mask_new_ones": CausalMaskAttention,
-              "moe_loop_over_torch_where": WhereMoE}
+              "moe_loop_over_torch_where": WhereMoE,
+              # a Hugging Face cache layer's first update: cat onto torch.tensor([])
+              "cat_onto_an_empty_cache": lambda: Mixing(lambda h: torch.cat(
+                  [torch.tensor([], dtype=h.dtype), h], dim=-2)),
+              # ConvBERT's torch.multiply: an alias torch does not tag pointwise
+              "torch_multiply": lambda: Mixing(lambda h: torch.multiply(h, h + 1))}
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("name", list(PER_SAMPLE))
 def test_per_token_dispatch_and_batch_free_masks_split_over_shards(name: str) -> None:
-    """The analysis proves these per-sample (before: refused at `histc` / `new_ones`),
-    and the shards of any split do add up to eager's loss."""
+    """The analysis proves these per-sample (before: refused at `histc` / `new_ones`, the
+    empty cache's `cat`, `multiply`), and the shards of any split add up to eager's loss."""
     if name == "moe_per_token_dispatch":
         pytest.importorskip("transformers.integrations.moe")  # registers grouped_mm_fallback
     g = torch.Generator().manual_seed(3)

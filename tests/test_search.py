@@ -9,12 +9,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import sympy
 import torch
 import torch.nn.functional as F
+from torch.utils._sympy.functions import CeilDiv, FloorDiv, Max, ModularIndexing
 
 import autohybrid as ah
 from autohybrid.planning import make_plan
 from autohybrid.capture import capture
+from autohybrid.cost.compute import size_function
 from autohybrid.cost.memory import usable_bytes
 from autohybrid.features import unsupported
 from autohybrid.search import planner
@@ -365,3 +368,61 @@ def test_a_data_dependent_row_count_is_priced_at_its_largest():
         flops.append(sum(layer.values(8, None)["mm_sharded"] + layer.values(8, None)[
             "mm_replicated"] for layer in prof.layers))
     assert flops[0] == flops[1] > 0
+
+
+class _HalfSequence(torch.nn.Module):
+    """Reads the first half of its sequence: a size computed with `//` (torch's sympy
+    FloorDiv in the graph's shapes, as XLNet's relative positions hold)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16)
+        self.lin = torch.nn.Linear(16, 50)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.emb(ids)[:, : ids.shape[1] // 2 + 1])
+
+
+@pytest.mark.timeout(60)
+def test_sizes_computed_with_floor_division_are_priced():
+    """The layer sums' size functions know torch's own sympy functions (Hugging Face
+    XLNet failed every plan with "name 'FloorDiv' is not defined" before)."""
+    x, y = sympy.symbols("x y", integer=True, positive=True)
+    fn = size_function((x, y), [FloorDiv(x, 3) * y, CeilDiv(x, 3), Max(x, y),
+                                ModularIndexing(x, 2, 3)])
+    assert [int(v) for v in fn(10, 4)] == [12, 4, 10, 2]
+    ids, targets = torch.randint(0, 50, (4, 8)), torch.randint(0, 50, (4, 5))
+    plan = ah.plan(_HalfSequence(), ah.Cluster.local(2), (ids,),
+                   loss_fn=lambda out, t: F.cross_entropy(out.flatten(0, 1), t.flatten()),
+                   example_targets=(targets,))
+    assert plan.executable and plan.predicted.step_time_s > 0
+
+
+class _PairedSamples(torch.nn.Module):
+    """Adds each pair of samples' sum to both (a reshape of the batch into pairs: sizes
+    `b // 2` and `b // (b // 2)`, zero and a division by zero at one sample)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(96, 32)
+        self.fc = torch.nn.Linear(32, 7)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        return self.fc(h + h.reshape(-1, 2, 8, 32).sum(1).repeat_interleave(2, 0))
+
+
+@pytest.mark.timeout(60)
+def test_a_batch_paired_up_by_a_reshape_is_planned():
+    """Pricing evaluates sizes at one sample, where `b // (b // 2)` divides by zero: the
+    size functions and the tp layout's per-token costs take it (ZeroDivisionError out of
+    ah.plan before); dp, which would split the pairs, is refused with its reason."""
+    ids, targets = torch.randint(0, 96, (4, 8)), torch.randint(0, 7, (4, 8))
+    loss = lambda out, t: F.cross_entropy(out.reshape(-1, 7), t.reshape(-1))  # noqa: E731
+    plan = ah.plan(_PairedSamples(), ah.Cluster.local(2), (ids,), loss_fn=loss,
+                   example_targets=(targets,), executable_only=True)
+    assert plan.executable and plan.mesh.dp == 1
+    with pytest.raises(ah.NotExecutableError, match="combines the samples"):
+        ah.plan(_PairedSamples(), ah.Cluster.local(2), (ids,), loss_fn=loss,
+                example_targets=(targets,), constraints=ah.Constraints(dp=2, tp=1, pp=1),
+                executable_only=True)

@@ -8,6 +8,7 @@ This module reads graphs and device figures; it does not know about plans or mes
 """
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any
 
@@ -47,6 +48,44 @@ _SAVES_NOTHING = frozenset({"aten.add.Tensor", "aten.sub.Tensor", "aten.neg.defa
 _SAVES_OUTPUT = frozenset({"aten.softmax.int", "aten._softmax.default", "aten.log_softmax.int",
                            "aten.tanh.default", "aten.sigmoid.default", "aten.exp.default",
                            "aten.relu.default", "aten.relu_.default", "aten.rsqrt.default"})
+
+
+def _floor_div(a: Any, b: Any) -> Any:
+    """a // b; 0 where b is 0 (a size of a batch too small for the model: `b // (b // 2)`
+    of a batch paired up by a reshape, at one sample — the plan trial refuses it, and
+    pricing it must not raise)."""
+    return a // b if b else 0
+
+
+def _mod(a: Any, b: Any) -> Any:
+    return a % b if b else 0
+
+
+#: torch's sympy functions (torch.utils._sympy.functions) as Python, for size functions:
+#: a size a model computes with `//`, `%`, max/min, casts (XLNet's relative positions)
+#: holds them, and sympy's printers do not know them
+_TORCH_SYMPY = {
+    "FloorDiv": _floor_div, "CleanDiv": _floor_div, "CeilDiv": lambda a, b: -(-a // b),
+    "Mod": _mod, "PythonMod": _mod,
+    "ModularIndexing": lambda x, d, m: _mod(_floor_div(x, d), m),
+    "IntTrueDiv": operator.truediv, "FloatTrueDiv": operator.truediv,
+    "ToFloat": float, "TruncToFloat": lambda x: float(math.trunc(x)), "TruncToInt": math.trunc,
+    "FloorToInt": math.floor, "CeilToInt": math.ceil, "RoundToInt": round,
+    "RoundDecimal": round, "Max": max, "Min": min, "Identity": lambda x: x,
+    "PowByNatural": pow, "FloatPow": pow, "Where": lambda c, a, b: a if c else b,
+    "LShift": operator.lshift, "RShift": operator.rshift,
+    "BitwiseFn_bitwise_and": operator.and_, "BitwiseFn_bitwise_or": operator.or_,
+    "BitwiseFn_bitwise_xor": operator.xor,
+    **{f"OpaqueUnaryFn_{f}": getattr(math, f) for f in (
+        "acos", "asin", "asinh", "atan", "cos", "cosh", "exp", "log", "log2", "sin", "sinh",
+        "sqrt", "tan", "tanh")},
+}
+
+
+def size_function(args: Any, exprs: Any) -> Any:
+    """`sympy.lambdify(args, exprs)` for expressions of graph sizes: a fast Python
+    function of the size symbols, torch's own sympy functions included."""
+    return sympy.lambdify(args, exprs, modules=[_TORCH_SYMPY, "math"])
 
 
 def sym_expr(x: Any) -> sympy.Expr:

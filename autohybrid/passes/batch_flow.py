@@ -49,7 +49,8 @@ nn.MultiheadAttention's [seq·batch, features], it is split with an `outer` fact
 interleaved, each one sample's, fine for row-wise ops until a view separates it again);
 `torch.no_grad()` / autocast regions are analysed inside; reductions,
 scans, sorts, softmax and the like along other dims; the batch dim of a reduction, scan,
-`cat` or `select` is refused. Matrix products keep a split dim that is not contracted;
+`cat` or `select` is refused (a `cat` ignores operands of no elements: a key/value
+cache's first update onto `torch.tensor([])`). Matrix products keep a split dim that is not contracted;
 attention keeps a leading dim of query, key, value and mask alike; convolution, pooling,
 group/instance norm keep dim 0, layer/RMS norm the dims before the normalized ones;
 RNNs keep their batch dim; embeddings and gathers from a replicated table keep the index
@@ -247,7 +248,14 @@ def _packet(name: str) -> str:
 
 # ---------------------------------------------------------------------------- op tables
 #: element-wise ops torch does not tag `pointwise`
-_POINTWISE = {"aten.__and__", "aten.__or__", "aten.__xor__", "aten.__lshift__",
+_POINTWISE = {# aliases torch does not tag (torch.multiply in ConvBERT's attention)
+              "aten.multiply", "aten.divide", "aten.subtract", "aten.negative",
+              "aten.absolute", "aten.fix", "aten.greater", "aten.greater_equal",
+              "aten.less", "aten.less_equal", "aten.not_equal", "aten.arccos",
+              "aten.arcsin", "aten.arctan", "aten.arctan2", "aten.arccosh", "aten.arcsinh",
+              "aten.arctanh", "aten.special_expit", "aten.special_erf", "aten.special_erfc",
+              "aten.special_expm1", "aten.special_exp2", "aten.special_log1p",
+              "aten.__and__", "aten.__or__", "aten.__xor__", "aten.__lshift__",
               "aten.__rshift__", "aten.bitwise_and", "aten.bitwise_or", "aten.bitwise_xor",
               "aten.bitwise_not", "aten.logical_and", "aten.logical_or", "aten.logical_not",
               "aten.logical_xor", "aten.floor_divide", "aten.remainder", "aten.fmod",
@@ -971,6 +979,8 @@ def _cat(self: BatchFlow, node: fx.Node) -> Flow:
     stack = _packet(op_name(node)) == "aten.stack"
     outs = tuple(node.meta[VAL].shape)
     dim = _norm(schema_args(node).get("dim", 0), len(outs))
+    if not stack:   # empty operands add nothing (a key/value cache's first update)
+        tensors = [t for t in tensors if not _empty_operand(t, dim)] or tensors[:1]
     flows = [self.flow(t) for t in tensors]
     bad = self._first_unknown(flows)
     if bad is not None:
@@ -993,6 +1003,19 @@ def _cat(self: BatchFlow, node: fx.Node) -> Flow:
     if not stack and ref.dim == dim:
         raise _Fail("it concatenates along the batch dim (samples would reorder)")
     return ref.moved(ref.dim, const=all(g.const for g in layouts))
+
+
+def _empty_operand(t: Any, dim: int) -> bool:
+    """Whether `t` adds nothing to a `cat` along `dim`: a 1-D tensor of no elements (cat
+    skips it whatever the dim, as Hugging Face's cache layers start from
+    `torch.tensor([])`) or one statically 0 long along `dim`."""
+    val = t.meta.get(VAL) if isinstance(t, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return False
+    shape = tuple(val.shape)
+    if shape == (0,):
+        return True
+    return len(shape) > dim and isinstance(shape[dim], int) and shape[dim] == 0
 
 
 @_rule("aten.repeat")

@@ -18,8 +18,8 @@ import torch.fx as fx
 
 from ..capture_moe_loop import stacked_experts
 from ..cost.compute import (MATMUL_OPS, MOE_EXPERTS, _tensors, bytes_moved, extra_saved_bytes,
-                            forward_flops, nbytes_expr,
-                            grad_nodes, numel_expr, saved_nodes, sym_expr)
+                            forward_flops, grad_nodes, nbytes_expr, numel_expr, saved_nodes,
+                            size_function, sym_expr)
 from ..graph import AH_PARAM, AH_ROLE, VAL, VIEW_OPS, is_param, op_name
 from ..ops.moe import tensor_parallel_experts
 from .layers import Layer, segment
@@ -325,15 +325,15 @@ def _compile_layer(layer: Layer, layout: TensorParallelLayout, subs: dict, batch
     sums["input_bytes"] = [nbytes_expr(a.meta[VAL]) for a in inputs]
     exprs = [sympy.Add(*terms).xreplace(subs) if terms else sympy.Integer(0)
              for terms in sums.values()]
-    fn = sympy.lambdify((batch, seq), exprs, modules="math")
+    fn = size_function((batch, seq), exprs)
 
     def values(b: int, s: int | None) -> dict[str, float]:
         return dict(zip(FIELDS, (float(v) for v in fn(b, s if s is not None else 1))))
 
     gemm_shapes = None
     if gemms:
-        shape_fn = sympy.lambdify((batch, seq), [sympy.sympify(e).xreplace(subs)
-                                                 for e in shapes], modules="math")
+        shape_fn = size_function((batch, seq), [sympy.sympify(e).xreplace(subs)
+                                                for e in shapes])
 
         def gemm_shapes(b: int, s: int | None) -> list[tuple[float, float, float, float]]:
             flat = [float(v) for v in shape_fn(b, s if s is not None else 1)]
@@ -343,7 +343,7 @@ def _compile_layer(layer: Layer, layout: TensorParallelLayout, subs: dict, batch
     names = {n.name for n in layer.nodes}
     for c in layout.collectives:
         if c.node in names:
-            f = sympy.lambdify((batch, seq), c.nbytes.xreplace(subs), modules="math")
+            f = size_function((batch, seq), c.nbytes.xreplace(subs))
             collectives.append(Collective(c.kind, c.direction,
                                           lambda b, s, f=f: float(f(b, s or 1)), c.axis))
     return values, collectives, num_ops, tuple(gemms), gemm_shapes

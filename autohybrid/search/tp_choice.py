@@ -16,6 +16,7 @@ takes the reference degree from the node size.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -51,9 +52,19 @@ class Rates:
 
 
 def _per_token(expr: sympy.Expr) -> float:
-    """Value with every symbolic size set to 1 (linear ops: the cost of one token)."""
+    """Value with every symbolic size set to 1 (linear ops: the cost of one token); where
+    a size of 1 divides by zero (`b // (b // 2)`, a batch paired up by a reshape), the
+    value at 2 (then 8) over that size to the power of the count of symbols."""
     expr = sympy.sympify(expr)
-    return float(expr.xreplace({s: 1 for s in expr.free_symbols}))
+    symbols = expr.free_symbols
+    for size in (1, 2, 8):
+        try:
+            value = float(expr.xreplace({s: size for s in symbols}))
+        except (ZeroDivisionError, TypeError):
+            continue
+        if math.isfinite(value):
+            return value / size ** len(symbols)
+    return 0.0
 
 
 class LayoutCost:
