@@ -176,10 +176,6 @@ class _ForwardOnly(nn.Module):
         return out
 
 
-def _first(out: Any) -> Any:
-    return out[0] if isinstance(out, tuple) else out
-
-
 def _batch_group(args: Sequence[torch.Tensor]) -> tuple[int, ...]:
     """The positions of the tensors whose dim 0 is as long as the first's (the batch the
     runtime splits them into alike), when there are two or more."""
@@ -264,8 +260,9 @@ def capture(model: nn.Module, example_inputs: Any, loss_fn: Callable | None = No
     if with_loss:   # custom autograd.Functions: the graph lost their backward
         with context:
             capture_functions.check_backward(
-                model, lambda: _first(wrapper(*args)),
-                lambda: _first(cap.run(cap.default_state(model), inputs, targets)), applied)
+                model, lambda: as_tuple(wrapper(*args))[0],
+                lambda: as_tuple(cap.run(cap.default_state(model), inputs, targets))[0],
+                applied)
     capture_cache.store(key, cap)
     return cap
 

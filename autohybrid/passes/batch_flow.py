@@ -50,9 +50,10 @@ interleaved, each one sample's, fine for row-wise ops until a view separates it 
 `torch.no_grad()` / autocast regions are analysed inside; reductions,
 scans, sorts, softmax and the like along other dims; the batch dim of a reduction, scan,
 `cat` or `select` is refused (a `cat` ignores operands of no elements: a key/value
-cache's first update onto `torch.tensor([])`). Matrix products keep a split dim that is not contracted;
-attention keeps a leading dim of query, key, value and mask alike; convolution, pooling,
-group/instance norm keep dim 0, layer/RMS norm the dims before the normalized ones;
+cache's first update onto `torch.tensor([])`). Matrix products keep a split dim that is
+not contracted; attention keeps a leading dim of query, key, value and mask alike;
+convolution, pooling, group/instance norm keep dim 0, layer/RMS norm the dims before the
+normalized ones;
 RNNs keep their batch dim; embeddings and gathers from a replicated table keep the index
 layout; `x[ptr]` gathers rows through a pointer into x's own batch dim (causal masks in
 Hugging Face models index position ids with `arange(batch)`); ops that read only their
