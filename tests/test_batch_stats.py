@@ -6,10 +6,13 @@ numerator plus the term weighted by its share of the denominator. Process-free: 
 regularizer (no statistic of the batch) splits over any shards, sequentially, with
 eager's loss and gradients; a balance-style term from batch sums does too when the sums
 are added up over the microbatches first (runtime/whole_batch.py), and does not without;
+a loss adding means over other counts (two cross-entropies ignoring other targets, an
+element-wise mean) splits the same way, each mean's sum and count added over the shards;
 the refusals (a statistic that is not a sum, a count not proportional to the batch,
-random draws a pipeline rank would redraw in another order); the planner's flag for the
-extra forward. On 2 gloo ranks: the balance-style term trains like eager under dp, with
-and without microbatches (SGD and AdamW, an uneven split of the batch, ignored targets).
+a mean read twice, random draws a pipeline rank would redraw in another order); the
+planner's flag for the extra forward. On 2 gloo ranks: the balance-style term and the
+means train like eager under dp, with and without microbatches (SGD and AdamW, an uneven
+split of the batch, ignored targets).
 """
 from __future__ import annotations
 
@@ -60,6 +63,22 @@ def _balance(o, t):
     return F.cross_entropy(o, t, ignore_index=IGNORE) + 0.5 * term
 
 
+def _two_means(o, t):
+    """Two cross-entropies over other targets, each ignoring its own, averaged as Hugging
+    Face's question answering does, less a scaled element-wise mean: three means over
+    three counts (samples kept by each target, every element)."""
+    start = F.cross_entropy(o, t[:, 0], ignore_index=IGNORE)
+    end = F.cross_entropy(o, t[:, 1], ignore_index=IGNORE)
+    return (start + end) / 2 - 0.1 * o.pow(2).mean()
+
+
+def _pair_targets(g: torch.Generator, n: int) -> torch.Tensor:
+    t = torch.randint(0, CLASSES, (n, 2), generator=g)
+    t[1::3, 0] = IGNORE
+    t[2::5, 1] = IGNORE
+    return t
+
+
 def _inputs(g: torch.Generator, n: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
     x = torch.randn(n, 6, generator=g, dtype=torch.float64)
     t = torch.randint(0, CLASSES, (n,), generator=g)
@@ -96,6 +115,12 @@ def test_a_regularizer_term_splits_over_any_shards_like_eager() -> None:
 REFUSED = {
     "a maximum over the batch": (lambda o, t: F.cross_entropy(o, t) + o.amax(0).sum(),
                                  "not proven the whole batch's value"),
+    # one mean read by two addends: rewriting it to a sum would change the other's value
+    "a mean added twice": (lambda o, t: (lambda c: c + 0.5 * c.detach())(
+        F.cross_entropy(o, t)), "cannot split over 2 batch shards"),
+    "a mean read by another term": (
+        lambda o, t: (lambda a, b: a + b + b.pow(2))(F.cross_entropy(o, t), o.pow(2).mean()),
+        "cannot split over 2 batch shards"),
     "a count not proportional to the batch": (
         lambda o, t: F.cross_entropy(o, t) + o.sum(0).sum() / (o.shape[0] * o.shape[0]),
         "other than in proportion"),
@@ -144,6 +169,31 @@ def test_a_whole_batch_term_is_summed_over_dp_and_weighted_for_microbatches() ->
         assert weight.args[0] is output_node(gm).args[0][-1]   # of the denominator
 
 
+def test_a_loss_adding_means_over_other_counts_splits_like_eager() -> None:
+    """(start + end) / 2 − 0.1 · mean(o²): each mean's sum and count added over the
+    shards, so any split — dp shards, microbatches (the sums added up first) — gives
+    eager's loss and gradients; the planner knows it reads whole-batch statistics."""
+    g = torch.Generator().manual_seed(9)
+    model = Net().double()
+    x, t = _inputs(g)[0], _pair_targets(g, BATCH)
+    cap = capture(model, (x[:4],), _two_means, (t[:4],))
+    assert whole_batch_term(cap.gm, cap.user_outputs[0])
+    ctx = train_context(cap, make_plan(dp=2))
+    gm = run_passes(cap.gm, ctx, [("global_loss", global_loss)])
+    assert ctx.notes["loss_kind"] == "mean"
+    sums = [n for n in gm.graph.nodes if n.target is torch.ops.autohybrid.batch_sum.default]
+    assert len(sums) == 4, sums   # the end loss's sum and count, o²'s sum and count
+    ctx = train_context(cap, make_plan(num_microbatches=2))
+    program = rewritten(cap, ctx, run_passes(cap.gm, ctx, [("global_loss", global_loss)]))
+    groups.bind("dp", None)
+    try:
+        # (halves of 6 hold as many kept targets each: their own means average to eager's)
+        _check_microbatches(model, program, cap.default_state(model), x, t, _two_means,
+                            control=(0, 5, 12))
+    finally:
+        groups.clear()
+
+
 def _run_shards(program, state, x, t, bounds, sums_first: bool):
     """The shards [a, b) of `bounds` as one rank's microbatches, forward and backward in
     turn (the executor's loop); with `sums_first`, the whole-batch sums added up before
@@ -180,9 +230,10 @@ def test_a_whole_batch_term_over_microbatches_gives_eagers_loss_and_gradients() 
         groups.clear()
 
 
-def _check_microbatches(model, program, state, x, t) -> None:
+def _check_microbatches(model, program, state, x, t, loss_fn=_balance,
+                        control=(0, 6, 12)) -> None:
     eager = copy.deepcopy(model)
-    want = _balance(eager(x), t)
+    want = loss_fn(eager(x), t)
     want.backward()
     for bounds in ([0, 6, 12], [0, 5, 9, 12], [0, 1, 2, 3, 12]):
         model.zero_grad()
@@ -193,7 +244,7 @@ def _check_microbatches(model, program, state, x, t) -> None:
             torch.testing.assert_close(p.grad / denominator, q.grad, rtol=1e-10, atol=1e-12,
                                        msg=f"gradient of {name}, shards {bounds}")
     model.zero_grad()   # the control: each microbatch's own statistics are not eager's
-    numerator, denominator = _run_shards(program, state, x, t, [0, 6, 12], False)
+    numerator, denominator = _run_shards(program, state, x, t, list(control), False)
     assert abs(float(numerator / denominator - want.detach())) > 1e-6
 
 
@@ -212,17 +263,25 @@ def test_whole_batch_terms_microbatches_cannot_add_up_are_refused() -> None:
         run_passes(cap.gm, train_context(cap, looped), [("global_loss", global_loss)])
 
 
-def _rank(rank: int, cases: list[tuple[str, int, int]]) -> Failures:
+_LOSSES = {"balance term": _balance, "two means": _two_means}
+
+
+def _rank(rank: int, cases: list[tuple[str, str, int, int]]) -> Failures:
     fails = Failures()
-    for optimizer, batch, micro in cases:
+    for loss, optimizer, batch, micro in cases:
         torch.manual_seed(0)
         model = Net().double()
         g = torch.Generator().manual_seed(batch)
-        batches = [((x,), t) for x, t in (_inputs(g, batch) for _ in range(2))]
-        example = _inputs(g, 8)    # planned for 8 samples, trained on `batch`
-        train_and_compare(fails, f"balance term, batch {batch}, {micro} microbatches, "
+
+        def data(n):
+            x, t = _inputs(g, n)
+            return x, (t if loss == "balance term" else _pair_targets(g, n))
+
+        batches = [((x,), t) for x, t in (data(batch) for _ in range(2))]
+        example = data(8)    # planned for 8 samples, trained on `batch`
+        train_and_compare(fails, f"{loss}, batch {batch}, {micro} microbatches, "
                           f"{optimizer}", model, batches,
-                          2, loss_fn=_balance, optimizer=OPTIMIZERS[optimizer],
+                          2, loss_fn=_LOSSES[loss], optimizer=OPTIMIZERS[optimizer],
                           constraints=ah.Constraints(dp=2, num_microbatches=micro),
                           example=((example[0],), example[1]))
     return fails
@@ -231,9 +290,14 @@ def _rank(rank: int, cases: list[tuple[str, int, int]]) -> Failures:
 @pytest.mark.procs
 @pytest.mark.timeout(240)
 def test_a_whole_batch_term_trains_like_eager_under_data_parallelism():
-    results = pool_launch(_rank, 2, args=([("sgd", 12, 1), ("adamw", 12, 1), ("sgd", 7, 1),
-                                          ("sgd", 12, 2), ("adamw", 12, 4)],),
-                          timeout_s=guard(150))
+    results = pool_launch(_rank, 2, args=([("balance term", "sgd", 12, 1),
+                                           ("balance term", "adamw", 12, 1),
+                                           ("balance term", "sgd", 7, 1),
+                                           ("balance term", "sgd", 12, 2),
+                                           ("balance term", "adamw", 12, 4),
+                                           ("two means", "sgd", 7, 1),
+                                           ("two means", "adamw", 12, 2)],),
+                          timeout_s=guard(180))
     assert results == [[], []], "\n".join(line for r in results for line in r)
 
 

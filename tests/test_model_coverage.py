@@ -30,6 +30,11 @@ CELLS = [
     # shards and microbatches holding different numbers of real tokens
     ("llama_padded", "dp2x2"),
     ("bert_padded", "pp2x4"),
+    # losses adding means over other counts (every dp and microbatched plan was refused
+    # before): question answering's (start + end) / 2 over the two positions kept, GPT-2's
+    # double heads 2 · lm_loss + 0.5 · mc_loss (tokens kept, samples)
+    ("bert_qa", "dp2x2"),
+    ("gpt2_double_heads", "pp2x4"),
 ]
 
 

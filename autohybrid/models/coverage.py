@@ -157,17 +157,20 @@ def have_transformers() -> bool:
     return importlib.util.find_spec("transformers") is not None
 
 
-def _hf_model(name: str) -> nn.Module:
+def _hf_model(name: str, model_cls: str | None = None) -> nn.Module:
+    """Family `name`'s tiny model (`model_cls`: another head of the same config)."""
     import transformers
 
-    config_cls, model_cls, overrides, _ = _HF[name]
+    config_cls, default_cls, overrides, _ = _HF[name]
+    model_cls = model_cls or default_cls
     kwargs = {k: v for k, v in _COMMON.items() if k not in _NOT_COMMON.get(name, ())}
     kwargs.update(overrides)
     if name in ("mixtral", "qwen2_moe"):  # grouped_mm has no fp64 on CPU
         kwargs["experts_implementation"] = "batched_mm"
     config = getattr(transformers, config_cls)(**kwargs)
     for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop",
-                "attn_pdrop", "dropout", "classifier_dropout"):
+                "attn_pdrop", "dropout", "classifier_dropout", "summary_first_dropout",
+                "summary_last_dropout"):
         if isinstance(getattr(config, key, None), float):
             setattr(config, key, 0.0)
     config.use_cache = False
@@ -215,6 +218,79 @@ def _padded_batches(steps: int = 3) -> list:
 def _padded_case(name: str) -> Case:
     return Case(f"{name}{PADDED_SUFFIX}", Padded(_hf_model(name)), _padded_batches(),
                 loss_fn=None)
+
+
+# ----------------------------------------------------------------------------- task heads
+class Task(nn.Module):
+    """A Hugging Face task head fed its inputs by position and its targets as one tuple,
+    `labels=(...)` (what `ah.compile` passes as the example targets), each to its keyword;
+    `combine(output)`, where given, is the training loss from the outputs (GPT-2's
+    double heads return their two losses apart)."""
+
+    def __init__(self, model: nn.Module, inputs: tuple[str, ...], targets: tuple[str, ...],
+                 combine: Callable | None = None):
+        super().__init__()
+        self.model, self.inputs, self.targets, self.combine = model, inputs, targets, combine
+
+    def forward(self, *args: torch.Tensor, labels: tuple | None = None) -> Any:
+        kwargs = dict(zip(self.inputs, args))
+        kwargs.update(zip(self.targets, labels or ()))
+        out = self.model(**kwargs)
+        return out if self.combine is None else _Loss(loss=self.combine(out))
+
+
+class _Loss(dict):
+    """A dict whose `.loss` is its "loss" (Case.eager_loss and capture read `.loss`)."""
+
+    @property
+    def loss(self) -> torch.Tensor:
+        return self["loss"]
+
+
+def _double_heads_loss(out: Any) -> torch.Tensor:
+    """GPT-2 double heads trained as its documentation shows: lm_coef · lm_loss +
+    mc_coef · mc_loss (two means over different counts: tokens, samples)."""
+    return 2.0 * out.loss + 0.5 * out.mc_loss
+
+
+def _task_batches(name: str, steps: int = 3) -> list:
+    out = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(300 + step)
+        ids = _tokens(100 + step)
+        if name == "bert_qa":     # positions past the sequence are clamped to it: ignored
+            inputs = (ids,)
+            targets = tuple(torch.randint(0, SEQ + 3, (BATCH,), generator=g) for _ in "se")
+        elif name == "bert_pretraining":   # a masked token in three, next-sentence labels
+            labels = _tokens(200 + step).masked_fill(
+                torch.rand(BATCH, SEQ, generator=g) > 0.35, -100)
+            inputs, targets = (ids,), (labels, torch.randint(0, 2, (BATCH,), generator=g))
+        else:                     # gpt2_double_heads: two choices per sample
+            ids = torch.stack([ids, _tokens(400 + step)], dim=1)
+            mc_ids = torch.randint(0, SEQ, (BATCH, 2), generator=g)
+            labels = ids.masked_fill(torch.rand(BATCH, 2, SEQ, generator=g) > 0.6, -100)
+            inputs = (ids, mc_ids)
+            targets = (labels, torch.randint(0, 2, (BATCH,), generator=g))
+        out.append((inputs, targets))
+    return out
+
+
+#: name → (config family, model class, inputs, targets, combine): heads whose loss adds
+#: means over different counts (two positions, tokens and sentences, tokens and choices)
+_TASKS: dict[str, tuple[str, str, tuple[str, ...], tuple[str, ...], Callable | None]] = {
+    "bert_qa": ("bert", "BertForQuestionAnswering", ("input_ids",),
+                ("start_positions", "end_positions"), None),
+    "bert_pretraining": ("bert", "BertForPreTraining", ("input_ids",),
+                         ("labels", "next_sentence_label"), None),
+    "gpt2_double_heads": ("gpt2", "GPT2DoubleHeadsModel", ("input_ids", "mc_token_ids"),
+                          ("labels", "mc_labels"), _double_heads_loss),
+}
+
+
+def _task_case(name: str) -> Case:
+    family, model_cls, inputs, targets, combine = _TASKS[name]
+    return Case(name, Task(_hf_model(family, model_cls), inputs, targets, combine),
+                _task_batches(name), loss_fn=None)
 
 
 # ----------------------------------------------------------------------------- torch-native
@@ -325,7 +401,8 @@ PADDED_SUFFIX = "_padded"
 PADDED = tuple(f"{name}{PADDED_SUFFIX}" for name in
                ("llama", "mistral", "gemma", "qwen2", "gpt2", "opt", "bert", "t5", "bart",
                 "falcon", "gpt_neox"))
-ALL = HF + NATIVE + PADDED
+TASKS = tuple(_TASKS)
+ALL = HF + NATIVE + PADDED + TASKS
 
 
 def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float64) -> Case:
@@ -337,6 +414,8 @@ def build(name: str, seed: int = 0, dtype: torch.dtype = torch.float64) -> Case:
         case = _padded_case(name.removesuffix(PADDED_SUFFIX))
     elif name in NATIVE:
         case = _native_case(name)
+    elif name in TASKS:
+        case = _task_case(name)
     else:
         raise KeyError(f"unknown coverage model {name!r}; known: {', '.join(ALL)}")
     case.model.to(dtype)

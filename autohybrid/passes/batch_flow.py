@@ -1811,6 +1811,8 @@ def _loss(self: BatchFlow, node: fx.Node) -> Flow:
         return per_sample
     if per_sample.kind == REP:
         return _REP
+    if kw.get("reduction", 1) == 2 and per_sample.batched and per_sample.ptr is None:
+        return Flow(PARTIAL)   # a sum over the shard's samples, as `sum` over the batch dim
     raise _Fail("a loss reduced over the batch before the final reduction")
 
 

@@ -30,6 +30,15 @@ the whole batch in the term (sums over the samples, the batch's size) are added 
 first (passes/batch_stats.py); with several microbatches the runtime adds them up in a
 forward without autograd before the step's (ops/batch_sum.WholeBatch).
 
+A loss adding several reductions of per-sample values, each with its own denominator
+(Hugging Face's question answering `(start_loss + end_loss) / 2`, BERT pre-training's
+masked-LM + next-sentence losses, an auxiliary mean beside the cross-entropy), is read as
+Σ scaleₖ · addendₖ through additions, subtractions and scaling by numbers (`_addends`).
+The first reduction of per-sample values is `main`; every other one is rewritten to
+sum / count like `main`'s (`_rewrite`), and those sums and counts become whole-batch
+statistics of the term, added over the shards as above — the term is then that addend's
+whole-batch value on every shard, as eager computes it.
+
 Example::
 
     gm = global_loss(gm, ctx)
@@ -37,6 +46,7 @@ Example::
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -83,9 +93,13 @@ def global_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     whole = term = flows = None   # loss = main + term, term the same on every shard
     whole_batch = False           # the term reads statistics of the whole batch
     if reduction is None and shards > 1:
-        split = _main_and_term(gm, loss)
+        split = _main_and_terms(gm, loss)
         if split is not None:
-            whole, (loss, term, reduction) = loss, split
+            whole, loss, term = _rebuild(gm, split, created)
+            outputs[index] = whole
+            out.args = (tuple(outputs),)
+            _erase_unused(graph, split.replaced)
+            reduction = _find_reduction(loss)
             new, flows = _global_term(gm, ctx, term)
             created += new
             whole_batch = bool(new)
@@ -96,7 +110,7 @@ def global_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         kind, denominator = "opaque", None
     else:
         position = whole.args.index(loss) if whole is not None else None
-        kind, denominator = _rewrite(gm, reduction, created)
+        kind, denominator, _ = _rewrite(gm, reduction, created)
         # the rewrite replaces the loss node when it is the mean
         loss = out.args[0][index] if whole is None else whole.args[position]
     if kind == "opaque":
@@ -138,32 +152,176 @@ def global_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-def _main_and_term(gm: fx.GraphModule, loss: fx.Node
-                   ) -> tuple[fx.Node, fx.Node, fx.Node] | None:
-    """(main, term, main's reduction) when the loss is main + term, main a reduction of
-    per-sample values (`_find_reduction`) and term without a batch dim (a regularizer, a
-    load-balancing loss over the whole batch's routing); else None."""
-    terms = loss_terms(loss)
-    if terms is None or len(loss.users) != 1:
+@dataclass
+class _Split:
+    """The loss as `main_scale · main + Σ scale · addend` (`_main_and_terms`)."""
+
+    main: fx.Node
+    main_scale: float
+    #: (addend, scale, reduction): `reduction` the addend's own reduction of per-sample
+    #: values (rewritten to sum / count, its statistics added over the shards), or None:
+    #: the addend has no batch dim (a regularizer, a whole-batch statistic)
+    terms: list[tuple[fx.Node, float, fx.Node | None]]
+    #: the additions and scalings the rebuilt loss replaces (erased once unused)
+    replaced: list[fx.Node]
+
+
+_SCALES = {"aten.mul.Tensor": False, "aten.mul.Scalar": False, "aten.div.Tensor": True,
+           "aten.div.Scalar": True}
+
+
+def _operands(node: fx.Node) -> list[tuple[fx.Node, float]] | None:
+    """[(a, 1), (b, ±1)] for a tensor addition or subtraction (alpha 1), [(x, factor)] for
+    a scaling of x by a number, else None."""
+    if node.op != "call_function":
         return None
-    batch = _batch_symbols(gm)
-    for main, term in (terms, terms[::-1]):
-        reduction = _find_reduction(main)
-        if reduction is not None and _has_batch_dim(reduction.args[0], batch) \
-                and term.meta[VAL].dim() == 0 and not _has_batch_dim(term, batch):
-            return main, term, reduction
+    terms = loss_terms(node)
+    if terms is not None:
+        return [(terms[0], 1.0), (terms[1], 1.0)]
+    name = op_name(node)
+    if name == "aten.sub.Tensor" and schema_args(node).get("alpha", 1) == 1 \
+            and all(isinstance(a, fx.Node) for a in node.args[:2]) and len(node.args) == 2:
+        return [(node.args[0], 1.0), (node.args[1], -1.0)]
+    factor = node.args[1] if len(node.args) == 2 and not node.kwargs else None
+    if name in _SCALES and isinstance(node.args[0], fx.Node) \
+            and isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor:
+        return [(node.args[0], 1.0 / factor if _SCALES[name] else float(factor))]
     return None
 
 
+def _addends(node: fx.Node, scale: float, inner: list[fx.Node]
+             ) -> list[tuple[fx.Node, float]] | None:
+    """`node` as Σ scale · addend through tensor additions and subtractions and scalings
+    by numbers of such a sum (`(a + b) / 2`); an addend is whatever is neither (a mean
+    with its own scaling stays one addend). The additions and scalings passed through
+    go to `inner`, readers after what they read; None where one of them has another
+    reader than the loss (what it reads changes with the rewrite)."""
+    operands = _operands(node)
+    if operands is None:
+        return [(node, scale)]
+    if len(operands) == 1:     # a scaling: of a sum, distributed; of an addend, kept
+        (x, factor), = operands
+        if len(x.users) != 1:
+            return [(node, scale)]
+        below = _addends(x, scale * factor, inner)
+        if below is None or len(below) > 1:
+            if below is not None:
+                inner.append(node)
+            return below
+        return [(node, scale)]
+    out = []
+    for x, sign in operands:
+        if len(x.users) != 1 and _operands(x) is not None:
+            return None
+        part = _addends(x, scale * sign, inner)
+        if part is None:
+            return None
+        out += part
+    inner.append(node)
+    return out
+
+
+def _main_and_terms(gm: fx.GraphModule, loss: fx.Node) -> _Split | None:
+    """The loss as main + terms (`_Split`) when it adds a reduction of per-sample values
+    (`main`, the first such addend) to addends that are each either another reduction of
+    per-sample values, or a 0-dim value without a batch dim (a regularizer, a
+    load-balancing loss over the whole batch's routing); else None. Each reduction must
+    be its own and read by its addend alone: rewriting it to a sum changes every reader."""
+    if len(loss.users) != 1:
+        return None
+    inner: list[fx.Node] = []
+    parts = _addends(loss, 1.0, inner)
+    if parts is None or len(parts) < 2:
+        return None
+    batch = _batch_symbols(gm)
+    reductions: list[fx.Node | None] = []
+    for node, _ in parts:
+        reduction = _find_reduction(node)
+        if reduction is not None and _has_batch_dim(reduction.args[0], batch):
+            if not _read_once(node, reduction):
+                return None
+            reductions.append(reduction)
+        elif isinstance(node.meta.get(VAL), torch.Tensor) and node.meta[VAL].dim() == 0 \
+                and not _has_batch_dim(node, batch):
+            reductions.append(None)
+        else:
+            return None
+    batched = [r for r in reductions if r is not None]
+    if not batched or len(set(batched)) != len(batched):
+        return None
+    first = reductions.index(batched[0])
+    terms = [(node, scale, r) for k, ((node, scale), r) in enumerate(zip(parts, reductions))
+             if k != first]
+    return _Split(parts[first][0], parts[first][1], terms, inner)
+
+
+def _read_once(addend: fx.Node, reduction: fx.Node) -> bool:
+    """Whether every node from `reduction` up to `addend` (its scalar epilogue) has one
+    reader: the next of them, and for `addend` the loss's addition."""
+    node = addend
+    while len(node.users) == 1:
+        if node is reduction:
+            return True
+        node = node.args[0]
+    return False
+
+
+def _rebuild(gm: fx.GraphModule, split: _Split, created: list[fx.Node]
+             ) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """(main' + term, main', term): each of `split`'s reductions of per-sample values
+    among the terms rewritten to its sum over its count (`_rewrite`), every addend
+    scaled, the terms added up (new nodes, fake values filled, in `created`)."""
+    graph, out = gm.graph, output_node(gm)
+    new: list[fx.Node] = []
+
+    def call(op, *args) -> fx.Node:
+        with graph.inserting_before(out):
+            node = graph.call_function(op, args)
+        new.append(node)
+        return node
+
+    pieces = []
+    for node, scale, reduction in split.terms:
+        if reduction is not None:
+            kind, denominator, summed = _rewrite(gm, reduction, created)
+            node = summed if node is reduction else node
+            if kind == "mean":
+                node = call(aten.div.Tensor, node, denominator)
+        pieces.append(node if scale == 1.0 else call(aten.mul.Tensor, node, scale))
+    term = pieces[0]
+    for piece in pieces[1:]:
+        term = call(aten.add.Tensor, term, piece)
+    main = split.main if split.main_scale == 1.0 else call(aten.mul.Tensor, split.main,
+                                                          split.main_scale)
+    whole = call(aten.add.Tensor, main, term)
+    propagate_fake(gm, [*created, *new])
+    created += new
+    return whole, main, term
+
+
+def _erase_unused(graph: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Erase `nodes` (a dead chain, readers before what they read) that nothing reads."""
+    for node in reversed(nodes):   # `_addends` lists a node after what it reads
+        if not node.users:
+            graph.erase_node(node)
+
+
 def whole_batch_term(gm: fx.GraphModule, loss_index: int) -> bool:
-    """Whether the loss (output `loss_index`) is main + a term computed from statistics of
+    """Whether the loss (output `loss_index`) is main + terms computed from statistics of
     the whole batch, which global_loss adds up over the shards (the planner prices the
-    forward that adds them up under microbatches: runtime/whole_batch.py)."""
+    forward that adds them up under microbatches: runtime/whole_batch.py): a second
+    reduction of per-sample values (its sum and count), or a term reading sums over the
+    samples."""
     loss = output_node(gm).args[0][loss_index]
     if _find_reduction(loss) is not None:
         return False
-    split = _main_and_term(gm, loss)
-    return split is not None and reads_statistics(gm, split[1], _flows(gm))
+    split = _main_and_terms(gm, loss)
+    if split is None:
+        return False
+    if any(reduction is not None for _, _, reduction in split.terms):
+        return True
+    flows = _flows(gm)
+    return any(reads_statistics(gm, node, flows) for node, _, _ in split.terms)
 
 
 def _global_term(gm: fx.GraphModule, ctx: PassContext, term: fx.Node
@@ -191,10 +349,10 @@ def _global_term(gm: fx.GraphModule, ctx: PassContext, term: fx.Node
         raise PlanError(
             f"{where} is added to the loss but not proven the whole batch's value on every "
             f"shard: node {culprit.name!r} ({op_name(culprit)}, `{source_line(culprit)}`): "
-            f"{why}. A second mean over the samples or tokens (a z-loss, an auxiliary loss "
-            "per token) splits when the loss takes one reduction of both: "
-            "(F.cross_entropy(..., reduction='none') + term_per_token).mean(); otherwise "
-            "run with dp=1 and one microbatch")
+            f"{why}. What splits: a mean or sum of per-sample values (a second loss, an "
+            "auxiliary loss per token), a value without a batch dim (a regularizer), sums "
+            "over the samples combined in any way (a load-balancing loss); otherwise run "
+            "with dp=1 and one microbatch")
     return created, flows
 
 
@@ -338,15 +496,17 @@ def _is_reduction(node: fx.Node) -> bool:
     return False
 
 
-def _rewrite(gm: fx.GraphModule, node: fx.Node, created: list[fx.Node]) -> tuple[str, fx.Node | None]:
-    """Turn the mean reduction `node` into a sum; return the kind and the denominator."""
+def _rewrite(gm: fx.GraphModule, node: fx.Node, created: list[fx.Node]
+             ) -> tuple[str, fx.Node | None, fx.Node]:
+    """Turn the mean reduction `node` into a sum; return the kind, the denominator and
+    the sum (`node`, or the node replacing it)."""
     name, graph = op_name(node), gm.graph
     kw = schema_args(node)
     if name in ("aten.sum.default", "aten.sum.dim_IntList"):
-        return "sum", None
+        return "sum", None, node
     if name in _ELEMENTWISE_LOSSES or name in _CLASS_LOSSES:
         if kw.get("reduction", _MEAN) == _SUM:
-            return "sum", None
+            return "sum", None, node
         kw["reduction"] = _SUM
         _set_args(node, kw)
         node.meta[AH_PASS] = "global_loss"
@@ -367,7 +527,7 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, created: list[fx.Node]) -> tuple
             denominator = graph.call_function(aten.scalar_tensor.default, (count,),
                                               {"dtype": node.meta[VAL].dtype})
             created += [count, denominator]
-    return "mean", denominator
+    return "mean", denominator, node
 
 
 def _class_count(graph: fx.Graph, kw: dict, dtype: torch.dtype,
