@@ -189,34 +189,24 @@ def _operands(node: fx.Node) -> list[tuple[fx.Node, float]] | None:
     return None
 
 
-def _addends(node: fx.Node, scale: float, inner: list[fx.Node]
-             ) -> list[tuple[fx.Node, float]] | None:
+def _addends(node: fx.Node, scale: float, inner: list[fx.Node]) -> list[tuple[fx.Node, float]]:
     """`node` as Σ scale · addend through tensor additions and subtractions and scalings
-    by numbers of such a sum (`(a + b) / 2`); an addend is whatever is neither (a mean
-    with its own scaling stays one addend). The additions and scalings passed through
-    go to `inner`, readers after what they read; None where one of them has another
-    reader than the loss (what it reads changes with the rewrite)."""
+    by numbers of such a sum (`(a + b) / 2`); an addend is whatever is neither, or is
+    read elsewhere too (a mean with its own scaling stays one addend). The additions and
+    scalings passed through go to `inner`, readers after what they read."""
     operands = _operands(node)
     if operands is None:
         return [(node, scale)]
     if len(operands) == 1:     # a scaling: of a sum, distributed; of an addend, kept
         (x, factor), = operands
-        if len(x.users) != 1:
+        below = _addends(x, scale * factor, inner) if len(x.users) == 1 else []
+        if len(below) < 2:
             return [(node, scale)]
-        below = _addends(x, scale * factor, inner)
-        if below is None or len(below) > 1:
-            if below is not None:
-                inner.append(node)
-            return below
-        return [(node, scale)]
+        inner.append(node)
+        return below
     out = []
     for x, sign in operands:
-        if len(x.users) != 1 and _operands(x) is not None:
-            return None
-        part = _addends(x, scale * sign, inner)
-        if part is None:
-            return None
-        out += part
+        out += _addends(x, scale * sign, inner) if len(x.users) == 1 else [(x, scale * sign)]
     inner.append(node)
     return out
 
@@ -231,7 +221,7 @@ def _main_and_terms(gm: fx.GraphModule, loss: fx.Node) -> _Split | None:
         return None
     inner: list[fx.Node] = []
     parts = _addends(loss, 1.0, inner)
-    if parts is None or len(parts) < 2:
+    if len(parts) < 2:
         return None
     batch = _batch_symbols(gm)
     reductions: list[fx.Node | None] = []

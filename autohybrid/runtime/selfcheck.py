@@ -202,6 +202,9 @@ class FirstStepCheck:
                 return (f"check=True: the compiled first step's gradient of parameter "
                         f"{name!r} differs from eager's: {problem}; nothing was stepped. "
                         "The plan's sharding of this parameter (or of what feeds it) does "
-                        "not compute eager's gradient: pin another layout "
-                        "(e.g. constraints=ah.Constraints(tp=1)) and report the model")
+                        "not compute eager's gradient, or the captured graph does not: pin "
+                        "another layout (e.g. constraints=ah.Constraints(tp=1)); if the "
+                        "layout of one rank (dp=1, tp=1, pp=1) differs too, the capture "
+                        "is at fault (an op whose backward torch.export does not keep). "
+                        "Report the model")
         return None
