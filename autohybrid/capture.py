@@ -470,6 +470,11 @@ def _hint(exc: BaseException, missing_target: str | None = None) -> str:
     if "data-dependent" in text or "GuardOnDataDependent" in text:
         hint = ("replace Python control flow on tensor values (if x.sum() > 0, .item(), "
                 ".tolist()) with torch.where or torch.cond, so the graph does not depend on data")
+    elif "FakeTensor" in text and any(word in text for word in ("size", "shape")):
+        hint = ("the model uses a tensor's values as a size, which torch.export cannot "
+                "trace (a PackedSequence from pack_padded_sequence carries its batch sizes "
+                "as a tensor; torch.zeros(n) with n a tensor): take sizes from .shape, or "
+                "run the RNN over the padded batch and mask what the padding produces")
     elif any(word in text for word in ("shape", "size", "mat1 and mat2", "dim")):
         hint = ("check that example_inputs (and example_targets) have the shapes the model "
                 "expects: dim 0 is the batch, the rest must match the model's layers")

@@ -509,6 +509,31 @@ def test_data_dependent_control_flow_names_module_file_line_and_fix() -> None:
     assert "torch.where" in text and "torch.cond" in text
 
 
+class _PackedLSTM(nn.Module):
+    """An LSTM over pack_padded_sequence of the padded batch and its lengths."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(8, 8, batch_first=True)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True,
+                                                   enforce_sorted=False)
+        return self.rnn(packed)[1][0][-1]
+
+
+@pytest.mark.timeout(60)
+def test_a_packed_sequence_is_refused_with_what_to_do_instead() -> None:
+    """Its batch sizes are a tensor used as a size: the shapes given are right, and the
+    advice says so (found 2026-12-07: it said to check the example shapes)."""
+    x, lengths = torch.randn(4, 6, 8), torch.tensor([6, 3, 5, 2])
+    with pytest.raises(ah.CaptureError) as err:
+        capture(_PackedLSTM(), (x, lengths), F.mse_loss, (torch.randn(4, 8),))
+    text = str(err.value)
+    assert "rnn (LSTM)" in text and "pack_padded_sequence" in text
+    assert "have the shapes" not in text
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("device", [None, "meta"], ids=["cpu", "meta"])
 def test_inputs_of_the_wrong_shape_name_the_layer(device) -> None:

@@ -124,6 +124,15 @@ _HF: dict[str, tuple[str, str, dict, str]] = {
                     "labels"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_key_value_heads=2, head_dim=8),
               "labels"),
+    "gpt_neo": ("GPTNeoConfig", "GPTNeoForCausalLM",   # a global and a local-window layer
+                dict(num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+                     window_size=4), "labels"),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM",
+                   dict(num_key_value_heads=2, sliding_window=4), "labels"),
+    "granite": ("GraniteConfig", "GraniteForCausalLM",   # every one of its four multipliers
+                dict(num_key_value_heads=2, embedding_multiplier=2.0, logits_scaling=4.0,
+                     residual_multiplier=0.5, attention_multiplier=0.3, pad_token_id=0),
+                "labels"),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
                 "labels"),
@@ -145,12 +154,13 @@ _NOT_COMMON = {"gpt2": ("hidden_size", "num_hidden_layers", "num_attention_heads
                "bloom": ("num_hidden_layers", "num_attention_heads", "intermediate_size",
                          "max_position_embeddings"),
                "gpt_bigcode": ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                               "max_position_embeddings", "intermediate_size")}
+                               "max_position_embeddings", "intermediate_size"),
+               "gpt_neo": ("num_hidden_layers", "num_attention_heads")}
 
 
 #: families without an sdpa attention in transformers (or, T5, whose relative bias is
 #: computed beside it)
-_EAGER_ATTENTION = ("t5", "deberta_v2", "bloom")
+_EAGER_ATTENTION = ("t5", "deberta_v2", "bloom", "gpt_neo")
 
 
 def have_transformers() -> bool:
