@@ -244,6 +244,8 @@ class Task(nn.Module):
 
     def forward(self, *args: torch.Tensor, labels: tuple | None = None) -> Any:
         kwargs = dict(zip(self.inputs, args))
+        if isinstance(labels, torch.Tensor):   # one target comes as itself
+            labels = (labels,)
         kwargs.update(zip(self.targets, labels or ()))
         out = self.model(**kwargs)
         return out if self.combine is None else _Loss(loss=self.combine(out))
