@@ -83,8 +83,11 @@ class BatchSpec:
     def _example_key(self) -> tuple:
         return tuple(tuple(s) for s in self.graph.example_shapes)
 
-    def problem(self, tensors: Sequence[torch.Tensor]) -> str | None:
-        """What does not fit in the batch `tensors` (inputs then targets), or None."""
+    def problem(self, tensors: Sequence[torch.Tensor], equal: Sequence[tuple] = ()
+                ) -> str | None:
+        """What does not fit in the batch `tensors` (inputs then targets), or None.
+        `equal`: pairs of sizes the plan's split of the batch was proven for equal
+        (RankProgram.batch_equalities)."""
         if len(tensors) != len(self.slots):
             return None  # counted by the caller, which names inputs and targets
         binding: dict[Any, int] = {}
@@ -93,7 +96,8 @@ class BatchSpec:
             why = _slot_problem(slot, t, binding, bound_by)
             if why:
                 return why
-        why = self._lookup_problem(tensors, binding)
+        why = _equality_problem(equal, binding, bound_by)
+        why = why or self._lookup_problem(tensors, binding)
         return why or self._shape_problem(tensors)
 
     def _lookup_problem(self, tensors: Sequence[torch.Tensor], binding: dict) -> str | None:
@@ -193,6 +197,24 @@ def _slot_problem(slot: _Slot, t: torch.Tensor, binding: dict, bound_by: dict
                     "matching sizes")
         binding[want_size] = size
         bound_by.setdefault(want_size, f"dim {d} of {slot.what}")
+    return None
+
+
+def _equality_problem(equal: Sequence[tuple], binding: dict, bound_by: dict) -> str | None:
+    """Where two sizes the plan was proven for equal differ (or cannot be told)."""
+    for a, b in equal:
+        values = (_evaluate(a, binding), _evaluate(b, binding))
+        if values[0] is not None and values[0] == values[1]:
+            continue
+        names = " and ".join(
+            ", ".join(f"{bound_by.get(x, x)}" for x in sorted(e.free_symbols, key=str))
+            for e in (a, b))
+        return (f"the batch's sizes {a} and {b} ({names}) are {values[0]} and {values[1]}, "
+                "but the plan splits the batch on the proof that they are equal (the model "
+                "picks the rows of one by positions counted in the other, as Hugging "
+                "Face's multiple-choice models pick their mask's rows by the ids' "
+                "positions): pass tensors whose sizes agree, or pin dp=1 and one "
+                "microbatch")
     return None
 
 

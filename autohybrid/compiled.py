@@ -572,7 +572,9 @@ class CompiledModel:
             spec = self._batch_specs.get(id(cap))
             if spec is None:
                 spec = self._batch_specs[id(cap)] = BatchSpec.of(cap)
-            problem = spec.problem(batch)
+            equal = next((p.batch_equalities for p in self.programs.values()
+                          if p.captured is cap), ())
+            problem = spec.problem(batch, equal)
         if local:
             if problem:
                 raise InputError(problem)

@@ -195,6 +195,9 @@ class RankProgram:
     loss_output_index: int | None = None
     #: the index of the per-sample statistics among them (sample_stats.py; None: none)
     stats_output_index: int | None = None
+    #: (a, b): per-sample sizes of the batch the split of the batch was proven for
+    #: equal (global_loss; BatchSpec checks them on every batch)
+    batch_equalities: tuple = ()
     #: the stages (pipeline_split; None without pipeline parallelism)
     pipeline: PipelineSplit | None = None
     #: canonical name → this rank's ShardSpec of each parameter tp splits

@@ -31,7 +31,7 @@ NOTE_FIELDS = {
     "pipeline": "pipeline", "param_shards": "param_shards", "tp_layout": "tp_layout",
     "fusion": "fused_regions", "zero_gathers": "zero_gathers",
     "overlap_moved": "overlap_moved", "overlap_split": "overlap_split",
-    "collective_matmuls": "collective_matmuls",
+    "collective_matmuls": "collective_matmuls", "batch_equalities": "batch_equalities",
 }
 
 

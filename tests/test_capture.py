@@ -406,6 +406,37 @@ def test_a_padded_hugging_face_batch_is_proven_per_sample() -> None:
             constraints.dp, constraints.num_microbatches or 1)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_multiple_choice_model_splits_on_equal_choices_checked_on_every_batch() -> None:
+    """BertForMultipleChoice flattens ids and mask (batch, choices, seq) to batch·choices
+    rows and picks the mask's rows by positions counted in the ids': each input's
+    choices are their own symbol, so dp was refused. The split is proven on condition
+    that the two are equal (RankProgram.batch_equalities), and the batch check refuses
+    a batch where they differ, naming both dims; without the plan's condition that
+    batch fits the graph."""
+    pytest.importorskip("transformers")
+    from autohybrid.batch_spec import BatchSpec
+    from autohybrid.models import coverage
+    from autohybrid.rewrite import rewrite
+
+    case = coverage.build("bert_mc")
+    (inputs, targets) = case.batches[0]
+    plan = ah.plan(case.model, ah.Cluster.local(2), inputs, example_targets=targets,
+                   constraints=ah.Constraints(dp=2, tp=1, pp=1), executable_only=True)
+    cap = capture(case.model, inputs, None, targets)
+    equal = rewrite(cap, plan, 0, fake_groups=True).batch_equalities
+    assert len(equal) == 1
+    spec = BatchSpec.of(cap)
+    assert spec.problem([*inputs, *targets], equal) is None
+    ids, mask = inputs
+    three = torch.cat([mask, mask[:, :1]], dim=1)   # the mask of 3 choices, the ids' 2
+    why = spec.problem([ids, three, *targets], equal)
+    assert "dim 1 of inputs[0]" in why and "dim 1 of inputs[1]" in why, why
+    assert "are 2 and 3" in why and "pin dp=1" in why, why
+    assert spec.problem([ids, three, *targets]) is None
+
+
 class _GradReverse(torch.autograd.Function):
     """A gradient-reversal layer (domain-adversarial training): identity forward, its
     backward not the forward's derivative."""

@@ -35,6 +35,8 @@ CELLS = [
     # double heads 2 · lm_loss + 0.5 · mc_loss (tokens kept, samples)
     ("bert_qa", "dp2x2"),
     ("gpt2_double_heads", "pp2x4"),
+    # the mask's rows picked by positions counted in the ids' (dp was refused before)
+    ("bert_mc", "dp2"),
 ]
 
 

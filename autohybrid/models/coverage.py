@@ -277,6 +277,11 @@ def _task_batches(name: str, steps: int = 3) -> list:
             labels = _tokens(200 + step).masked_fill(
                 torch.rand(BATCH, SEQ, generator=g) > 0.35, -100)
             inputs, targets = (ids,), (labels, torch.randint(0, 2, (BATCH,), generator=g))
+        elif name == "bert_mc":   # two choices per sample, padded, their own lengths
+            ids = torch.stack([ids, _tokens(400 + step)], dim=1)
+            lengths = torch.randint(2, SEQ + 1, (BATCH, 2, 1), generator=g)
+            inputs = (ids, (torch.arange(SEQ) < lengths).long())
+            targets = (torch.randint(0, 2, (BATCH,), generator=g),)
         else:                     # gpt2_double_heads: two choices per sample
             ids = torch.stack([ids, _tokens(400 + step)], dim=1)
             mc_ids = torch.randint(0, SEQ, (BATCH, 2), generator=g)
@@ -296,6 +301,10 @@ _TASKS: dict[str, tuple[str, str, tuple[str, ...], tuple[str, ...], Callable | N
                          ("labels", "next_sentence_label"), None),
     "gpt2_double_heads": ("gpt2", "GPT2DoubleHeadsModel", ("input_ids", "mc_token_ids"),
                           ("labels", "mc_labels"), _double_heads_loss),
+    # ids and mask (batch, choices, seq) flattened to batch·choices rows: its mask's rows
+    # are picked by positions counted in the ids' (proven for equal choices, checked)
+    "bert_mc": ("bert", "BertForMultipleChoice", ("input_ids", "attention_mask"),
+                ("labels",), None),
 }
 
 

@@ -141,9 +141,13 @@ class _Fail(Exception):
 class _Sizes:
     """Symbolic size arithmetic against the batch symbols (cached)."""
 
-    def __init__(self, batch: set):
+    def __init__(self, batch: set, assume: bool = False):
         self.batch = frozenset(batch)
         self._factor: dict = {}
+        #: whether `assume_eq` may take two sizes as equal that the graph does not relate
+        self.assume = assume
+        #: (a, b): per-sample sizes taken as equal (`assume_eq`), to check on each batch
+        self.assumed: list[tuple[Any, Any]] = []
 
     def add_batch(self, symbols: Iterable) -> None:
         """Count `symbols` as batch-sized too (the rows a selection over the batch picks:
@@ -183,6 +187,26 @@ class _Sizes:
     def eq(self, a: Any, b: Any) -> bool:
         a, b = self.expr(a), self.expr(b)
         return a == b or sympy.expand(a - b) == 0
+
+    def assume_eq(self, a: Any, b: Any) -> bool:
+        """Whether sizes `a` = b·c and `b` = b·d (one batch symbol) may be taken as equal
+        on condition that c = d on every batch, which the runtime then checks before the
+        step (`assumed`; batch_spec.py): both per-sample blocks are sizes of the batch's
+        tensors the graph leaves unrelated (the choices of a multiple-choice model's ids
+        and of its mask, each its own symbol). Only where `assume` was asked for."""
+        if not self.assume:
+            return False
+        c, d = self.factor(a), self.factor(b)
+        if c is None or d is None:
+            return False
+        if self.expr(a).free_symbols & self.batch != self.expr(b).free_symbols & self.batch:
+            return False
+        symbols = getattr(c, "free_symbols", set()) | getattr(d, "free_symbols", set())
+        if not symbols or any(not str(x).startswith("s") for x in symbols):
+            return False   # two different numbers, or a size the batch does not give
+        if (c, d) not in self.assumed:
+            self.assumed.append((c, d))
+        return True
 
     def batch_dims(self, shape) -> list[int]:
         return [i for i, s in enumerate(shape) if self.has_batch(s)]
@@ -359,9 +383,13 @@ class BatchFlow:
     """The flows of every node of `gm` (`flows[node]`; a tuple for multi-output ops)."""
 
     def __init__(self, gm: fx.GraphModule, batch: set, per_sample: Iterable[fx.Node] = (),
-                 inputs: list[Flow] | None = None):
+                 inputs: list[Flow] | None = None, sizes: _Sizes | None = None,
+                 assume: bool = False):
+        """`assume`: a proof may rest on per-sample sizes of the batch being equal
+        (`_Sizes.assume_eq`; `sizes.assumed` lists them for the runtime to check);
+        `sizes`: a region's analysis, with its graph's assumptions."""
         self.gm = gm
-        self.sizes = _Sizes(batch)
+        self.sizes = sizes if sizes is not None else _Sizes(batch, assume)
         self._inputs = list(inputs) if inputs is not None else None
         self.per_sample = set(per_sample)
         self.flows: dict[fx.Node, Any] = {}
@@ -529,8 +557,10 @@ class BatchFlow:
         if sub is None:
             return self._all_rep(node)
         module = self.gm.get_submodule(sub.target)
+        sizes = _Sizes(self.sizes.batch, self.sizes.assume)
+        sizes.assumed = self.sizes.assumed   # (what the region assumes, its graph does)
         inner = BatchFlow(module, self.sizes.batch, self.per_sample,
-                          inputs=[self.flow(a) for a in node.args[index + 1:]])
+                          inputs=[self.flow(a) for a in node.args[index + 1:]], sizes=sizes)
         if inner.mutations:
             raise _Fail("a region that writes its inputs in place")
         outs = next(n for n in module.graph.nodes if n.op == "output").args[0]
@@ -1403,7 +1433,9 @@ def _gather(self: BatchFlow, node: fx.Node, x: Any, indices: list) -> Flow:
                 raise _Fail("it picks rows of a batch dim interleaved with another dim")
             want = (("split", self.sizes.expr(xs[k])) if fx_.kind == SPLIT
                     else ("perm", fx_.perm, self.sizes.expr(xs[k])))
-            if f.ptr is None or not _same_space(self.sizes, f.ptr, want):
+            if f.ptr is None or not (_same_space(self.sizes, f.ptr, want)
+                                     or f.ptr[0] == want[0] == "split"
+                                     and self.sizes.assume_eq(f.ptr[-1], want[-1])):
                 raise _Fail("it picks rows of the batch dim by an index that is not a "
                             "sample's own position (it would mix samples)")
         elif f.ptr is not None:

@@ -105,7 +105,10 @@ def global_loss(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             whole_batch = bool(new)
     mixed = reduction is not None and not _has_batch_dim(reduction.args[0], _batch_symbols(gm))
     if shards > 1 and reduction is not None and not mixed:
+        flows = flows or _flows(gm, assume=True)
         _refuse_sample_mixing(gm, whole or loss, reduction, shards, per_sample, flows)
+        # sizes of the batch the proof took as equal: checked on every batch (batch_spec)
+        ctx.notes["batch_equalities"] = tuple(flows.sizes.assumed)
     if reduction is None or mixed:
         kind, denominator = "opaque", None
     else:
@@ -319,7 +322,7 @@ def _global_term(gm: fx.GraphModule, ctx: PassContext, term: fx.Node
     """Make `term` the whole batch's value on every shard (batch_stats.globalize), or
     raise PlanError saying why it cannot be; the nodes created (fake values filled) and
     the flows of the graph with them (the sample-mixing check reads them again)."""
-    flows = _flows(gm)
+    flows = _flows(gm, assume=True)
     created = globalize(gm, term, flows, "dp")
     propagate_fake(gm, created)
     where = f"the loss term {term.name!r} (`{source_line(term)}`)"
@@ -331,7 +334,7 @@ def _global_term(gm: fx.GraphModule, ctx: PassContext, term: fx.Node
                 f"sample, e.g. a load-balancing loss over the batch's routing), which the "
                 f"runtime adds up over the {ctx.plan.num_microbatches} microbatches in a "
                 f"forward before the step's; {problem}")
-    flows = _flows(gm) if created else flows   # (the new nodes have no flows yet)
+    flows = _flows(gm, assume=True) if created else flows   # (new nodes: no flows yet)
     flow = flows.flow(term)
     if flow.kind != REP:
         culprit = flow.culprit if flow.kind == UNKNOWN else term
@@ -377,10 +380,12 @@ def _refuse_sample_mixing(gm: fx.GraphModule, loss: fx.Node, reduction: fx.Node,
         "run with dp=1 and one microbatch")
 
 
-def _flows(gm: fx.GraphModule) -> BatchFlow:
+def _flows(gm: fx.GraphModule, assume: bool = False) -> BatchFlow:
+    """The graph's batch flows; `assume`: proofs may rest on per-sample sizes of the
+    batch being equal (`flows.sizes.assumed`, checked on every batch by the runtime)."""
     from .sync_batch_norm import training_batch_norms
 
-    return BatchFlow(gm, _batch_symbols(gm), training_batch_norms(gm))
+    return BatchFlow(gm, _batch_symbols(gm), training_batch_norms(gm), assume=assume)
 
 
 def sample_mixing(gm: fx.GraphModule, loss: fx.Node, reduction: fx.Node,
