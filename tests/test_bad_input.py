@@ -7,8 +7,9 @@ process groups; the CLI through `autohybrid.cli.main` in this process): `API_CAS
 (ah.plan, ah.compile, train_step, compiled(...), Plan files, Constraints),
 `CLI_CASES` (`autohybrid plan | inspect | train | bench | calibrate`: exit status 2,
 the reason on stderr, no traceback, no file left where an output was asked). The few
-cases that need ranks (different batches on two ranks, a failed run's exit status, a
-traceback that must not be printed) start processes and are marked `procs`.
+cases that need ranks (different batches on two ranks, a batch breaking the condition a
+split was proven on, a failed run's exit status, a traceback that must not be printed)
+start processes and are marked `procs`.
 tests/test_errors.py holds the older cases; none is repeated here.
 """
 from __future__ import annotations
@@ -476,6 +477,42 @@ def test_ranks_passing_different_batches_all_raise() -> None:
     assert "size 17 in dim 1" in results[1]["refused later"]
     assert "another rank refused its batch" in results[0]["refused later"]
     assert results[0]["same later"] == results[1]["same later"]
+
+
+def _choices_differ(rank: int) -> list:
+    """BertForMultipleChoice under dp2, compiled without example targets (the training
+    graph captured at the first step): a batch whose mask has 3 choices and ids 2, then
+    the right batch, then that bad batch again (checked before the step)."""
+    from autohybrid.models import coverage
+
+    torch.manual_seed(0)
+    case = coverage.build("bert_mc")
+    (ids, mask), targets = case.batches[0]
+    compiled = ah.compile(case.model, ah.Cluster.local(2), (ids, mask), loss_fn=None,
+                          optimizer=_sgd, constraints=ah.Constraints(dp=2, tp=1, pp=1))
+    three = torch.cat([mask, mask[:, :1]], dim=1)
+    out = []
+    for batch in ((ids, three), (ids, mask), (ids, three)):
+        try:
+            out.append(float(compiled.train_step(batch, targets)))
+        except ah.InputError as exc:
+            out.append(str(exc))
+    return out
+
+
+@pytest.mark.procs
+@pytest.mark.timeout(120)
+def test_a_batch_breaking_the_condition_of_the_split_is_refused_on_every_rank() -> None:
+    """The split of a multiple-choice batch is proven for ids and mask of as many
+    choices (passes/batch_flow.py `assume_eq`): a batch where they differ is refused on
+    every rank, at the step that captures the training graph and at a later one, naming
+    both dims; the right batch trains in between."""
+    pytest.importorskip("transformers")
+    results = launch(_choices_differ, 2, timeout_s=LAUNCH_TIMEOUT_S)
+    for first, good, later in results:
+        for refused in (first, later):
+            assert "dim 1 of inputs[0] and dim 1 of inputs[1]) are 2 and 3" in refused
+        assert isinstance(good, float) and good == results[0][1]
 
 
 @pytest.mark.procs
