@@ -9,7 +9,10 @@ exactly; `dtype=torch.float32` as users run them), a few global batches, and how
 model's output or, for Hugging Face models trained with `labels=`, the model's own
 `.loss` (`loss_fn=None`). The `<family>_padded` entries (`PADDED`) feed a family
 right-padded batches as users train on them: token ids and their attention mask, labels
--100 where the mask pads, rows of different lengths.
+-100 where the mask pads, rows of different lengths. The `TASKS` entries are task heads
+(`Task`: targets given as one tuple, each to its keyword): question answering, BERT
+pre-training and GPT-2's double heads, whose losses add means over other counts, and a
+multiple-choice head, whose mask's rows are picked by positions counted in its ids'.
 
 Example::
 
@@ -293,7 +296,8 @@ def _task_batches(name: str, steps: int = 3) -> list:
 
 
 #: name → (config family, model class, inputs, targets, combine): heads whose loss adds
-#: means over different counts (two positions, tokens and sentences, tokens and choices)
+#: means over different counts (two positions, tokens and sentences, tokens and choices),
+#: and a multiple-choice head
 _TASKS: dict[str, tuple[str, str, tuple[str, ...], tuple[str, ...], Callable | None]] = {
     "bert_qa": ("bert", "BertForQuestionAnswering", ("input_ids",),
                 ("start_positions", "end_positions"), None),
