@@ -468,11 +468,8 @@ class CompiledModel:
                                         autocast=self.autocast, collective=True)
             self._train_stale = False
             self._rewrite("train", self._train)
-            # the batch it was captured from, against what the split was proven on
-            equal = self.programs["train"].batch_equalities
-            problem = equal and BatchSpec.of(self._train).problem((*inputs, *targets), equal)
-            if problem:
-                raise InputError(problem)
+            if self.programs["train"].batch_equalities:   # what the split was proven on
+                self._check_batch(self._train, (*inputs, *targets), local=True)
         if len(targets) != self._train.num_targets:
             raise AutohybridError(f"targets: expected {self._train.num_targets} tensor(s), got "
                                   f"{len(targets)}")
